@@ -1,0 +1,133 @@
+"""Data staging for real over HTTP, from a server on 127.0.0.1 that the tests start and
+that serves the bundled sample's files under MNIST's names (the tests supply their
+checksums): one rank downloads behind the barrier while the other waits, two jobs
+sharing a data directory take turns, and a missing network or a corrupt file ends in
+one actionable line on every rank, with nothing half-written left behind.
+
+    python -m pytest tests/test_data.py
+"""
+
+import hashlib
+import http.server
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import SAMPLE, assert_ok, clean_env, free_port, read_metrics, run_as_srun
+
+FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+# torchvision sends two GETs per file: one that follows redirects, one for the data.
+ONE_DOWNLOAD = {name: 2 for name in FILES}
+
+
+def python_with_checksums(checksums: dict[str, str]) -> list[str]:
+    """Run mnist_ddp.main with torchvision's MNIST checksums replaced by those of the served files."""
+    code = ("import sys; from torchvision.datasets import MNIST; import mnist_ddp; "
+            f"MNIST.resources = {sorted(checksums.items())!r}; sys.exit(mnist_ddp.main(sys.argv[1:]))")
+    return [sys.executable, "-c", code]
+
+
+class Mirror:
+    """A loopback HTTP server serving `files`, each response `delay` seconds late; counts requests."""
+
+    def __init__(self, files: dict[str, bytes], delay: float = 0.0):
+        self.requests: Counter[str] = Counter()
+        mirror = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                name = self.path.lstrip("/")
+                mirror.requests[name] += 1
+                time.sleep(delay)
+                if name not in files:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(files[name])))
+                self.end_headers()
+                self.wfile.write(files[name])
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def sample_files() -> dict[str, bytes]:
+    return {name: (SAMPLE / name).read_bytes() for name in FILES}
+
+
+@pytest.fixture
+def checksums(sample_files) -> dict[str, str]:
+    return {name: hashlib.md5(data).hexdigest() for name, data in sample_files.items()}
+
+
+def test_rank0_downloads_behind_the_barrier(workdir, sample_files, checksums):
+    mirror = Mirror(sample_files, delay=0.5)  # slow enough that an early reader would find nothing
+    try:
+        results = run_as_srun(2, ["--dataset", "mnist", "--data-mirror", mirror.url, "--epochs", "1", "--max-steps", "2"],
+                              cwd=workdir, job_id="77", command=python_with_checksums(checksums))
+    finally:
+        mirror.close()
+    for result in results:
+        assert_ok(result)
+    assert mirror.requests == ONE_DOWNLOAD  # one rank downloaded, once
+    assert "[rank 0] staged MNIST in data/MNIST/raw" in results[0].stdout
+    assert "staged" not in results[1].stdout
+    assert sorted(p.name for p in (workdir / "data" / "MNIST" / "raw").iterdir()) == sorted(n[:-3] for n in FILES)
+    assert not list((workdir / "data").glob(".staging-*"))
+    assert read_metrics(workdir / "runs" / "job-77")[0]["test_images"] == 1000
+
+
+def test_two_jobs_share_one_data_dir(workdir, sample_files, checksums):
+    mirror = Mirror(sample_files, delay=0.3)
+    try:
+        args = ["--dataset", "mnist", "--data-mirror", mirror.url, "--download-only"]
+        procs = [subprocess.Popen([*python_with_checksums(checksums), *args], cwd=workdir, env=clean_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        mirror.close()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert mirror.requests == ONE_DOWNLOAD  # the second job waited, then found them
+    assert sum("staged MNIST" in out for out, _ in outputs) == 1
+
+
+def test_offline_error_names_the_path_and_the_flags(workdir, checksums):
+    closed = f"http://127.0.0.1:{free_port()}/"
+    results = run_as_srun(2, ["--dataset", "mnist", "--data-mirror", closed], cwd=workdir,
+                          command=python_with_checksums(checksums), timeout=120)
+    for result in results:
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+    error = results[0].stderr.strip().splitlines()[-1]
+    assert error.startswith("mnist_ddp.py: error: cannot download MNIST into data/MNIST/raw (")
+    assert "Connection refused" in error
+    assert "--download-only" in error and "--data-mirror URL" in error and "--data-dir DIR" in error
+    assert "another rank could not stage the data set" in results[1].stderr
+    assert not (workdir / "data" / "MNIST" / "raw").exists()
+    assert not list((workdir / "data").glob(".staging-*"))
+
+
+def test_corrupt_download_is_refused(workdir, sample_files, checksums):
+    damaged = {**sample_files, FILES[1]: sample_files[FILES[1]][:-10]}
+    mirror = Mirror(damaged)
+    try:
+        results = run_as_srun(1, ["--dataset", "mnist", "--data-mirror", mirror.url], cwd=workdir,
+                              command=python_with_checksums(checksums), timeout=120)
+    finally:
+        mirror.close()
+    assert results[0].returncode == 2
+    assert "cannot download MNIST into data/MNIST/raw" in results[0].stderr
+    assert not (workdir / "data" / "MNIST" / "raw").exists()

@@ -1,0 +1,114 @@
+"""Real training runs of mnist_ddp.py on the bundled sample, in real processes over Gloo:
+the smoke run learns (>= 95 %), torchrun and srun-style launches work, 2 ranks x batch B
+match 1 process x batch 2B, seeded runs are bit-identical, evaluation with 3 ranks counts
+every test image once, and TensorBoard's own reader finds the logged tags.
+
+    python -m pytest tests/test_training.py
+"""
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import assert_ok, load_params, read_metrics, run_as_srun, run_single, run_torchrun
+
+SHORT = ["--epochs", "1", "--max-steps", "6", "--dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """The README's main job: one process, defaults, bundled sample."""
+    workdir = tmp_path_factory.mktemp("smoke")
+    result = run_single(["--run-dir", "runs/smoke"], cwd=workdir)
+    assert_ok(result)
+    return workdir / "runs" / "smoke", result
+
+
+def test_smoke_run_learns(smoke_run):
+    run_dir, result = smoke_run
+    metrics = read_metrics(run_dir)
+    assert [m["epoch"] for m in metrics] == list(range(1, 9))
+    assert metrics[-1]["test_accuracy"] >= 0.95
+    assert metrics[-1]["test_images"] == 1000
+    assert "TensorBoard logs: runs/smoke" in result.stdout
+    assert (run_dir / "model.pt").is_file()
+
+
+def test_tensorboard_events_hold_the_expected_tags(smoke_run):
+    run_dir, _ = smoke_run
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/batch_loss", "test/loss", "test/accuracy", "train/lr",
+            "speed/images_per_s", "speed/epoch_s", "final/test_accuracy"} <= scalars
+    assert len(events.Scalars("test/accuracy")) == 8
+    assert len(events.Scalars("train/batch_loss")) == 256 // 50
+    tensors = set(events.Tags()["tensors"])
+    assert {"config/text_summary", "environment/text_summary"} <= tensors
+    config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| batch_size | 128 |" in config_text
+    plugins = events.PluginTagToContent("hparams")
+    assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(plugins)
+
+
+def test_torchrun_two_ranks(workdir):
+    result = run_torchrun(2, [*SHORT, "--run-dir", "runs/tr"], cwd=workdir)
+    assert_ok(result)
+    assert "[rank 0/2]" in result.stdout and "[rank 1/2]" in result.stdout
+    assert '"launcher": "torchrun"' in result.stdout and '"world_size": 2' in result.stdout
+    metrics = read_metrics(workdir / "runs" / "tr")
+    assert len(metrics) == 1 and metrics[0]["test_images"] == 1000 and metrics[0]["step"] == 6
+
+
+def test_srun_style_two_ranks(workdir):
+    results = run_as_srun(2, SHORT, cwd=workdir, job_id="4242")
+    for result in results:
+        assert_ok(result)
+    rank0, rank1 = results
+    assert '"launcher": "slurm"' in rank0.stdout and "global batch 256 (2 x 128)" in rank0.stdout
+    assert "TensorBoard logs" not in rank1.stdout  # only rank 0 logs
+    run_dir = workdir / "runs" / "job-4242"
+    assert read_metrics(run_dir)[0]["test_images"] == 1000
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+
+
+def test_two_ranks_match_one_process_with_twice_the_batch(workdir):
+    steps = ["--epochs", "1", "--max-steps", "8", "--dropout", "0"]
+    for result in run_as_srun(2, [*steps, "--batch-size", "32", "--run-dir", "runs/ddp"], cwd=workdir):
+        assert_ok(result)
+    assert_ok(run_single([*steps, "--batch-size", "64", "--run-dir", "runs/one"], cwd=workdir, OMP_NUM_THREADS="1"))
+    ddp, one = load_params(workdir / "runs" / "ddp"), load_params(workdir / "runs" / "one")
+    assert ddp.keys() == one.keys()
+    for name in ddp:
+        # Only the order of float additions differs (gradient all-reduce vs one big batch).
+        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_seeded_runs_are_bit_identical(workdir):
+    args = ["--epochs", "2", "--max-steps", "40", "--dropout", "0.2"]
+    for name in ("a", "b"):
+        assert_ok(run_single([*args, "--run-dir", f"runs/{name}"], cwd=workdir, OMP_NUM_THREADS="2"))
+    assert_ok(run_single([*args, "--seed", "1", "--run-dir", "runs/c"], cwd=workdir, OMP_NUM_THREADS="2"))
+    a, b, c = (load_params(workdir / "runs" / n) for n in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    timeless = [[{k: v for k, v in m.items() if k not in ("images_per_s", "epoch_s")} for m in read_metrics(workdir / "runs" / n)]
+                for n in "ab"]
+    assert timeless[0] == timeless[1]
+
+
+def test_three_ranks_evaluate_every_test_image_once(workdir):
+    # 1000 test images over 3 ranks: shards of 334, 333 and 333, no padding counted.
+    results = run_as_srun(3, ["--epochs", "1", "--max-steps", "2", "--run-dir", "runs/three"], cwd=workdir)
+    for result in results:
+        assert_ok(result)
+    assert "1333 images" in results[0].stdout  # 4000 // 3 training images per rank
+    assert read_metrics(workdir / "runs" / "three")[0]["test_images"] == 1000
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet18"])
+def test_other_models_train(workdir, model):
+    result = run_single(["--model", model, "--epochs", "1", "--max-steps", "2", "--batch-size", "16",
+                         "--run-dir", f"runs/{model}"], cwd=workdir)
+    assert_ok(result)
+    assert read_metrics(workdir / "runs" / model)[0]["test_images"] == 1000
