@@ -195,7 +195,7 @@ def port_from_job_id(job_id: str) -> int:
 
     10000-29999 stays below Linux's ephemeral range (32768-60999), so an outgoing
     connection cannot already hold it. run_training.sbatch applies the same rule."""
-    return 10000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
+    return 10000 + int(job_id or 0) % 20000
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
@@ -222,6 +222,8 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
                         env["MASTER_ADDR"], _int_var(env, "MASTER_PORT"), job_id, num_threads)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         ntasks = _int_var(env, "SLURM_NTASKS")
+        if not env.get("SLURM_JOB_ID", "0").isdigit():
+            raise UsageError(f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r} is not a job id; unset it or set MASTER_PORT")
         if ntasks > 1 and "SLURM_STEP_ID" not in env:
             raise UsageError(f"SLURM_NTASKS={ntasks} but this process was not started by srun, so it would train alone. "
                              "HINT: run it as `srun python mnist_ddp.py ...` (run_training.sbatch does), or ask for --ntasks=1")
@@ -229,7 +231,7 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
         if not nodelist and ntasks > 1:
             raise UsageError("SLURM_JOB_NODELIST is not set, so the first host is unknown; set MASTER_ADDR")
         master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
-        master_port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else port_from_job_id(job_id)
+        master_port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else port_from_job_id(env.get("SLURM_JOB_ID", ""))
         launch = Launch("slurm", _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
                         ntasks, master_addr, master_port, job_id, num_threads)
     else:
