@@ -24,8 +24,14 @@ How to launch
   srun --ntasks 2 python mnist_ddp.py                    # inside an allocation
   sbatch run_training.sbatch --epochs 3                  # Slurm batch job
 
-Exit codes: 0 done, 1 unexpected error (traceback), 2 a problem you can fix (one line
-on stderr that says what to do).
+Checkpoints go to RUN_DIR/checkpoints (atomic, last --keep-ckpts kept); --resume auto
+(the default) continues from the newest valid one, so a requeued Slurm job needs no new
+options. SIGUSR1 or SIGTERM: save at the next step, requeue the Slurm job, exit.
+
+Exit codes: 0 done; 1 unexpected error (traceback), e.g. a rank died; 2 a problem you can
+fix (one line on stderr that says what to do); 3 the loss became NaN or infinite (nothing
+bad was saved); 75 stopped by SIGUSR1/SIGTERM after saving a checkpoint (run the same
+command again to continue; under Slurm the job has requeued itself).
 """
 
 import argparse
@@ -38,7 +44,9 @@ import math
 import os
 import platform
 import re
+import signal
 import socket
+import subprocess
 import sys
 import shutil
 import tempfile
@@ -64,10 +72,16 @@ from torchvision.datasets.utils import check_integrity
 PROG = "mnist_ddp.py"
 HERE = Path(__file__).resolve().parent
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
 
 
 class UsageError(Exception):
     """A problem the user can fix: printed as one line on stderr, exit code 2."""
+
+
+class Diverged(Exception):
+    """The loss stopped being finite: printed as one line, exit code 3, nothing saved."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -104,6 +118,13 @@ class Config:
     log_dir: str = field(default="runs", metadata={"help": "directory that holds one run directory per job (shared storage)"})
     run_dir: str = field(default="", metadata={"help": "this run's directory (default: LOG_DIR/job-<SLURM_JOB_ID>, else LOG_DIR/<timestamp>)"})
     log_every: int = field(default=50, metadata={"help": "log the training loss to TensorBoard every N steps"})
+    # checkpoints and preemption
+    resume: str = field(default="auto", metadata={
+        "help": "auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints; never: start afresh; or a checkpoint file"})
+    ckpt_every: int = field(default=500, metadata={"help": "checkpoint every N steps as well as at each epoch end (0: epoch ends only)"})
+    keep_ckpts: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
+    interrupt_at: str = field(default="", metadata={
+        "help": "testing aid: rank 0 sends itself a signal after step N, as N:USR1 or N:TERM"})
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -138,6 +159,12 @@ def check_config(c: Config) -> None:
     need(c.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {c.max_steps}")
     need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
     need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
+    need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
+    need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
+    need(c.resume in ("auto", "never") or Path(c.resume).is_file(),
+         f"--resume {c.resume}: no such checkpoint file; pass auto, never or an existing file")
+    need(not c.interrupt_at or re.fullmatch(r"[1-9]\d*:(USR1|TERM)", c.interrupt_at) is not None,
+         f"--interrupt-at must look like 120:USR1 or 120:TERM, got {c.interrupt_at!r}")
     need(not c.data_mirror or re.match(r"^(https?|file)://", c.data_mirror) is not None,
          f"--data-mirror must be an http://, https:// or file:// URL, got {c.data_mirror!r}")
     need(c.backend != "nccl" or c.device != "cpu", "--backend nccl needs --device cuda (or auto); use --backend gloo for CPUs")
@@ -475,24 +502,26 @@ def build_model(config: Config) -> nn.Module:
     return net
 
 
-def build_optimizer(config: Config, model: nn.Module, total_steps: int):
-    """AdamW with a one-cycle schedule: linear warm-up over the first 10 % of the steps,
-    then a cosine decay to zero at the last step (README "Defaults" says why)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=total_steps + 1,
-                                                    pct_start=0.1, anneal_strategy="cos", div_factor=10,
-                                                    final_div_factor=1e3, cycle_momentum=False)
-    return optimizer, scheduler
+def lr_at(step: int, total_steps: int, peak: float) -> float:
+    """One cycle: linear warm-up from peak/10 to peak over the first 10 % of the steps, then
+    a cosine decay to peak/1e4 at the last step (README "Defaults" says why). A pure
+    function of the step, so a resumed run needs no scheduler state."""
+    warmup = max(1, total_steps // 10)
+    if step < warmup:
+        return peak * (0.1 + 0.9 * step / warmup)
+    progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
+    return peak * (1e-4 + (1 - 1e-4) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ----------------------------------------------------------------------------- train and eval steps
 
-def train_step(model: nn.Module, optimizer, scheduler, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     loss = F.cross_entropy(model(x), y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # DDP averages the gradients across ranks here
     optimizer.step()
-    scheduler.step()
     return loss.detach()
 
 
@@ -528,6 +557,163 @@ def save_atomic(obj, path: Path) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+CKPT_FORMAT = 1
+# Options that set the course of training: a checkpoint resumes only a run with the same.
+TRAJECTORY = ("dataset", "model", "epochs", "batch_size", "lr", "weight_decay", "dropout", "seed", "max_steps")
+
+
+@dataclass
+class Progress:
+    """Where training stands; a checkpoint records it and a resumed run starts from it."""
+    epoch: int = 1              # the epoch in progress
+    step_in_epoch: int = 0      # its batches already done
+    step: int = 0               # optimiser steps done in all
+    last_record: dict = field(default_factory=dict)  # the last epoch's metrics
+
+
+def rank_state(loss_sum: torch.Tensor, device: torch.device) -> dict:
+    """What each rank alone holds that the run depends on: RNG states (dropout) and the
+    partial sums of the epoch in progress."""
+    return {"cpu_rng": torch.get_rng_state(), "loss_sum": loss_sum.cpu(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def gather_to_all(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
+
+
+def save_checkpoint(run_dir: Path, config: Config, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    progress: Progress, loss_sum: torch.Tensor) -> Path:
+    """Every rank calls this (it gathers each rank's state); rank 0 writes the file."""
+    # A finite loss can still be followed by an update that overflows the weights. The
+    # weights are the same on every rank, so every rank reaches the same verdict.
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise Diverged(f"the weights stopped being finite at step {progress.step} (epoch {progress.epoch}); "
+                       "nothing was saved: lower --lr and resume from the last checkpoint")
+    states = gather_to_all(rank_state(loss_sum, rt.device))
+    path = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
+    if rt.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_atomic({"format": CKPT_FORMAT, "config": dataclasses.asdict(config), "world_size": rt.world_size,
+                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "progress": dataclasses.asdict(progress), "rank_states": states}, path)
+        for old in sorted(path.parent.glob("ckpt-*.pt"))[:-config.keep_ckpts]:
+            old.unlink()
+    return path
+
+
+def read_checkpoint(path: Path, device: torch.device | str) -> dict:
+    # weights_only: a file planted in a shared directory can hold tensors and plain
+    # containers, nothing that runs code when unpickled.
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise ValueError(f"not a mnist_ddp.py checkpoint of format {CKPT_FORMAT}")
+    return ckpt
+
+
+def checkpoint_differences(ckpt: dict, config: Config) -> list[str]:
+    mine = dataclasses.asdict(config)
+    return [f"--{k.replace('_', '-')} {ckpt['config'].get(k)} there, {mine[k]} here"
+            for k in TRAJECTORY if ckpt["config"].get(k) != mine[k]]
+
+
+def find_checkpoint(config: Config, run_dir: Path) -> Path | None:
+    """Rank 0 picks the checkpoint to resume from: the newest one that loads, falling back
+    past damaged or refused files with a warning that names them."""
+    found = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"), reverse=True)
+    if config.resume == "never":
+        if found:
+            raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
+                             "pass another --run-dir to start afresh, or --resume auto to continue")
+        return None
+    candidates = found if config.resume == "auto" else [Path(config.resume)]
+    for path in candidates:
+        try:
+            ckpt = read_checkpoint(path, "cpu")
+        except Exception as err:  # truncated, garbage, or refused by weights_only
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if config.resume != "auto":
+                raise UsageError(f"cannot resume from {path}: {reason}") from None
+            print(f"warning: skipping checkpoint {path}: {reason[:200]}", file=sys.stderr, flush=True)
+            continue
+        differences = checkpoint_differences(ckpt, config)
+        if differences:
+            raise UsageError(f"checkpoint {path} is from a different configuration ({'; '.join(differences)}); "
+                             "resume with the same options, or pass another --run-dir to start afresh")
+        return path
+    return None
+
+
+def resume_from(path: Path, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
+                steps_per_epoch: int) -> tuple[Progress, torch.Tensor]:
+    """Load a checkpoint rank 0 chose; returns where to go on and this rank's loss sums."""
+    ckpt = read_checkpoint(path, rt.device)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    progress = Progress(**ckpt["progress"])
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    if ckpt["world_size"] == rt.world_size:
+        state = ckpt["rank_states"][rt.rank]
+        torch.set_rng_state(state["cpu_rng"].cpu())
+        if state["cuda_rng"] is not None and rt.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), rt.device)
+        loss_sum.copy_(state["loss_sum"])
+    else:
+        # Other shards, other batches: restart the interrupted epoch with the saved weights.
+        progress = Progress(progress.epoch, 0, (progress.epoch - 1) * steps_per_epoch, progress.last_record)
+        if rt.is_main:
+            print(f"warning: {path} was written by {ckpt['world_size']} ranks, this run has {rt.world_size}: "
+                  f"the data order changed; continuing from the start of epoch {progress.epoch}", file=sys.stderr)
+    return progress, loss_sum
+
+
+# ----------------------------------------------------------------------------- preemption
+
+class StopSignals:
+    """SIGUSR1 (Slurm's --signal) and SIGTERM (preemption, time limit, torchrun) only set a
+    flag here; the training loop acts on it at the next step boundary, where every rank
+    agrees, rank 0 saves and the job requeues itself. Saving inside a handler could
+    interrupt a half-written file or a collective."""
+
+    def __init__(self):
+        self.received = 0
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def agree_on_stopping(stop: StopSignals, loss: torch.Tensor, rt: Runtime) -> tuple[bool, bool]:
+    """(some rank got a stop signal, some rank's loss is not finite): one small all-reduce."""
+    flags = torch.stack([torch.tensor(float(stop.received > 0), device=rt.device),
+                         (~torch.isfinite(loss)).to(torch.float32)])
+    stopping, diverged = all_reduce_sum(flags).tolist()
+    return stopping > 0, diverged > 0
+
+
+def requeue_slurm_job(launch: Launch) -> bool:
+    """Ask Slurm to requeue this job, if it may; the job's processes die with this call."""
+    if not launch.job_id or shutil.which("scontrol") is None:
+        return False
+    shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True, timeout=60)
+    if "Requeue=1" not in shown.stdout:
+        print(f"Slurm job {launch.job_id} may not be requeued (sbatch --requeue); resubmit it to continue", flush=True)
+        return False
+    print(f"requeueing Slurm job {launch.job_id}; it resumes from its last checkpoint", flush=True)
+    result = subprocess.run(["scontrol", "requeue", launch.job_id], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        print(f"scontrol requeue failed: {result.stderr.strip()}; resubmit the job to continue", flush=True)
+    return result.returncode == 0
 
 
 # ----------------------------------------------------------------------------- logging
@@ -568,11 +754,17 @@ def markdown_table(d: dict) -> str:
 class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, config: Config, environment: dict):
+    def __init__(self, run_dir: Path, config: Config, environment: dict, resumed_step: int | None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
-        self.writer = SummaryWriter(str(run_dir))
-        self.metrics = open(run_dir / "metrics.jsonl", "a")
+        metrics_path = run_dir / "metrics.jsonl"
+        if resumed_step is not None and metrics_path.exists():
+            # A resumed run repeats what came after its checkpoint: drop those lines, and
+            # have TensorBoard hide those steps, so nothing is doubled or rewound.
+            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.writer = SummaryWriter(str(run_dir), purge_step=None if resumed_step is None else resumed_step + 1)
+        self.metrics = open(metrics_path, "a")
         self.show_progress = sys.stdout.isatty()
         self.writer.add_text("config", markdown_table(dataclasses.asdict(config)))
         self.writer.add_text("environment", markdown_table(environment))
@@ -600,13 +792,13 @@ class RunLogger:
             self.writer.add_scalar(tag, record[key], step)
         self.writer.flush()  # per epoch, not per step: cheap and TensorBoard stays current
 
-    def finish(self, config: Config, final: dict) -> None:
+    def finish(self, config: Config, final: dict, step: int) -> None:
         hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in dataclasses.asdict(config).items()}
         metrics = {f"final/{k}": v for k, v in final.items()}
         for summary in hparams_summary(hparams, metrics):
             self.writer.file_writer.add_summary(summary)
         for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, 0)
+            self.writer.add_scalar(tag, value, step)
         self.close()
 
     def close(self) -> None:
@@ -619,15 +811,15 @@ class NullLogger:
 
     def step(self, *args) -> None: ...
     def epoch(self, record: dict) -> None: ...
-    def finish(self, config: Config, final: dict) -> None: ...
+    def finish(self, config: Config, final: dict, step: int) -> None: ...
     def close(self) -> None: ...
 
 
 # ----------------------------------------------------------------------------- main
 
-def fail(err: UsageError) -> int:
+def fail(err: Exception, code: int = EXIT_USAGE) -> int:
     print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -637,18 +829,13 @@ def main(argv: list[str] | None = None) -> int:
         rt = init_distributed(config, launch)
     except UsageError as err:
         return fail(err)
-    logger = NullLogger()
+    logger, stop = NullLogger(), StopSignals()
     try:
         train_set, test_set = prepare_data(config, rt)
         if config.download_only:
             print(f"[rank {rt.rank}] {config.dataset} is ready in {config.data_dir}")
             return 0
         run_dir = choose_run_dir(config, launch)
-        hosts = [socket.gethostname()] * rt.world_size
-        if dist.is_initialized():
-            dist.all_gather_object(hosts, socket.gethostname())
-        if rt.is_main:
-            logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts))
 
         torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         raw_model = build_model(config).to(rt.device)
@@ -656,56 +843,109 @@ def main(argv: list[str] | None = None) -> int:
         if rt.world_size > 1:
             model = DistributedDataParallel(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
         torch.manual_seed(config.seed + rt.rank)  # dropout differs per rank, as its data does
+        optimizer = torch.optim.AdamW(raw_model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
         per_rank = len(train_set.labels) // rt.world_size
         steps_per_epoch = math.ceil(per_rank / config.batch_size)
         total_steps = config.epochs * steps_per_epoch
         if config.max_steps:
             total_steps = min(total_steps, config.max_steps)
-        optimizer, scheduler = build_optimizer(config, raw_model, total_steps)
+
+        # Rank 0 picks the checkpoint (or the error); every rank then loads that file.
+        choice = ["", ""]
+        if rt.is_main:
+            try:
+                choice = [str(find_checkpoint(config, run_dir) or ""), ""]
+            except UsageError as err:
+                choice = ["", str(err)]
+        ckpt_path, error = broadcast_from_main(choice)
+        if error:
+            raise UsageError(error if rt.is_main else "rank 0 cannot resume; see its error")
+        progress, loss_sum = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
+        if ckpt_path:
+            progress, loss_sum = resume_from(Path(ckpt_path), rt, raw_model, optimizer, steps_per_epoch)
+
+        hosts = gather_to_all(socket.gethostname())
+        if rt.is_main:
+            logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts),
+                               resumed_step=progress.step if ckpt_path else None)
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
               f"{per_rank} images, {steps_per_epoch} steps per epoch", flush=True)
         if rt.is_main:
             print(f"global batch {config.batch_size * rt.world_size} ({rt.world_size} x {config.batch_size}), "
                   f"{total_steps} steps in all", flush=True)
+            if ckpt_path:
+                print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step}", flush=True)
+        interrupt_step, interrupt_signal = (config.interrupt_at.split(":") + [""])[:2]
 
-        step, record = 0, {}
-        for epoch in range(1, config.epochs + 1):
-            if step >= total_steps:
-                break
+        def checkpoint() -> Path:
+            return save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum)
+
+        def stop_here(path: Path) -> int:
+            if rt.is_main:
+                why = signal.Signals(stop.received).name if stop.received else "another rank's signal"
+                print(f"stopping on {why} at step {progress.step}: saved {path}", flush=True)
+            if dist.is_initialized():
+                dist.barrier()  # the checkpoint is complete before anyone can be killed
+            if rt.is_main:
+                requeue_slurm_job(launch)  # when it succeeds, Slurm ends every process here
+            if dist.is_initialized():
+                dist.barrier()
+            return EXIT_STOPPED
+
+        while progress.epoch <= config.epochs and progress.step < total_steps:
             started = time.perf_counter()
-            shard = epoch_shard(len(train_set.labels), epoch, config.seed, rt.rank, rt.world_size).to(rt.device)
-            loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)  # (sum of losses, images) on this rank
-            for start in range(0, per_rank, config.batch_size):
-                idx = shard[start: start + config.batch_size]
+            shard = epoch_shard(len(train_set.labels), progress.epoch, config.seed, rt.rank, rt.world_size).to(rt.device)
+            for k in range(progress.step_in_epoch, steps_per_epoch):
+                idx = shard[k * config.batch_size: (k + 1) * config.batch_size]
                 x, y = normalize(train_set.images[idx], config.dataset), train_set.labels[idx]
-                loss = train_step(model, optimizer, scheduler, x, y)
+                loss = train_step(model, optimizer, lr_at(progress.step, total_steps, config.lr), x, y)
                 loss_sum[0] += loss * len(idx)
                 loss_sum[1] += len(idx)
-                step += 1
-                if step % config.log_every == 0:
-                    logger.step(step, loss, epoch, start // config.batch_size + 1, steps_per_epoch)
-                if step >= total_steps:
+                progress.step, progress.step_in_epoch = progress.step + 1, k + 1
+                if rt.is_main and interrupt_step and progress.step == int(interrupt_step):
+                    os.kill(os.getpid(), getattr(signal, f"SIG{interrupt_signal}"))
+                stopping, diverged = agree_on_stopping(stop, loss, rt)
+                if diverged:  # before any checkpoint could take the bad weights
+                    raise Diverged(f"the loss became {loss.item()} at step {progress.step} (epoch {progress.epoch}); "
+                                   "lower --lr and resume from the last checkpoint (it predates this step)")
+                if progress.step % config.log_every == 0:
+                    logger.step(progress.step, loss, progress.epoch, k + 1, steps_per_epoch)
+                if stopping or (config.ckpt_every and progress.step % config.ckpt_every == 0):
+                    path = checkpoint()
+                    if stopping:
+                        return stop_here(path)
+                if progress.step >= total_steps:
                     break
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             train_seconds = time.perf_counter() - started
-            train_loss_sum, images = all_reduce_sum(loss_sum).tolist()
+            train_loss_sum, images = all_reduce_sum(loss_sum.clone()).tolist()
             test_loss, test_accuracy, test_images = evaluate(raw_model, test_set, config.dataset, rt)
-            record = {"epoch": epoch, "step": step, "train_loss": train_loss_sum / images, "test_loss": test_loss,
-                      "test_accuracy": test_accuracy, "test_images": test_images, "lr": optimizer.param_groups[0]["lr"],
-                      "images_per_s": images / train_seconds, "epoch_s": time.perf_counter() - started}
-            logger.epoch(record)
+            progress.last_record = {
+                "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
+                "test_loss": test_loss, "test_accuracy": test_accuracy, "test_images": test_images,
+                "lr": optimizer.param_groups[0]["lr"], "images_per_s": images / train_seconds,
+                "epoch_s": time.perf_counter() - started}
+            logger.epoch(progress.last_record)
+            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+            loss_sum.zero_()
+            path = checkpoint()
+            if agree_on_stopping(stop, torch.zeros((), device=rt.device), rt)[0]:  # a signal during evaluation
+                return stop_here(path)
 
+        record = progress.last_record
         if rt.is_main:
             save_atomic(raw_model.state_dict(), run_dir / "model.pt")
             print(f"saved {run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%", flush=True)
-        logger.finish(config, {"test_accuracy": record["test_accuracy"], "test_loss": record["test_loss"],
-                               "train_loss": record["train_loss"]})
+        logger.finish(config, {k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
         return 0
     except UsageError as err:
         return fail(err)
+    except Diverged as err:
+        return fail(err, EXIT_DIVERGED)
     finally:
+        stop.restore()
         logger.close()
         teardown_distributed()
 

@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,34 @@ def test_two_jobs_at_once_share_a_node_and_a_data_dir(one_node, tmp_path):
         assert (raw / name).read_bytes() == gzip.decompress((SAMPLE / f"{name}.gz").read_bytes())
     for job in (job_a, job_b):
         assert read_metrics(tmp_path / "runs" / f"job-{job}")[-1]["epoch"] == 2
+
+
+@pytest.mark.parametrize("cluster, launcher", [("one_node", "srun"), ("two_nodes", "torchrun")])
+def test_usr1_saves_requeues_and_resumes(cluster, launcher, request, tmp_path):
+    """Slurm's --signal, sent now: the job saves, requeues itself, resumes and completes.
+    In torchrun mode the batch file passes SIGUSR1 on to torchrun as SIGTERM."""
+    cluster = request.getfixturevalue(cluster)
+    options = ["--nodes=1", "--ntasks-per-node=2"] if cluster.nodes == 1 else ["--nodes=2", "--ntasks-per-node=1", "--mem=1G"]
+    client = cluster.sbatch(tmp_path, [*options, "--cpus-per-task=1"], ["--batch-size", "64", "--ckpt-every", "10"],
+                            LAUNCHER=launcher)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and client.poll() is None:
+        logs = list(tmp_path.glob("mnist-ddp-*.out"))
+        if logs and re.search(r"^epoch   1 \|", logs[0].read_text(), re.M):
+            break
+        time.sleep(0.2)
+    job_id = logs[0].name.split("-")[-1].removesuffix(".out")
+    subprocess.run([str(LOCAL_SLURM), "exec", str(cluster.dir), "scancel", "--signal=USR1", job_id],
+                   env=cluster.env, check=True, timeout=60)
+    _, out = finish(client, tmp_path)
+    assert re.search(rf"^START .* restart=0 .* launcher={launcher} ", out, re.M)
+    assert re.search(r"^START .* restart=1 ", out, re.M)
+    assert re.search(r"^stopping on SIGUSR1 at step \d+: saved ", out, re.M)
+    assert f"requeueing Slurm job {job_id}" in out
+    assert re.search(rf"^resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
+    metrics = read_metrics(tmp_path / "runs" / f"job-{job_id}")
+    assert [m["epoch"] for m in metrics] == list(range(1, 9))
+    assert metrics[-1]["test_accuracy"] >= 0.95
 
 
 def test_guard_outside_slurm(tmp_path):
