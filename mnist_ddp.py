@@ -58,11 +58,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from PIL import Image, ImageDraw
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams as hparams_summary
@@ -118,6 +120,8 @@ class Config:
     log_dir: str = field(default="runs", metadata={"help": "directory that holds one run directory per job (shared storage)"})
     run_dir: str = field(default="", metadata={"help": "this run's directory (default: LOG_DIR/job-<SLURM_JOB_ID>, else LOG_DIR/<timestamp>)"})
     log_every: int = field(default=50, metadata={"help": "log the training loss to TensorBoard every N steps"})
+    image_every: int = field(default=1, metadata={
+        "help": "log test images with their predictions and a confusion matrix every N epochs (0: never)"})
     # checkpoints and preemption
     resume: str = field(default="auto", metadata={
         "help": "auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints; never: start afresh; or a checkpoint file"})
@@ -159,6 +163,7 @@ def check_config(c: Config) -> None:
     need(c.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {c.max_steps}")
     need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
     need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
+    need(c.image_every >= 0, f"--image-every must be 0 (never) or more, got {c.image_every}")
     need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
     need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
     need(c.resume in ("auto", "never") or Path(c.resume).is_file(),
@@ -525,25 +530,51 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x:
     return loss.detach()
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    loss: float
+    accuracy: float
+    count: int                  # test images counted: the whole test set, for any world size
+    confusion: torch.Tensor     # [10, 10] int64, rows true class, columns prediction, all ranks
+    shown: torch.Tensor         # rank 0's first test images (global indices) and ...
+    shown_pred: torch.Tensor    # ... its predictions for them
+    wrong: torch.Tensor         # rank 0's first misclassified test images (global indices) and ...
+    wrong_pred: torch.Tensor    # ... its predictions for them
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, split: Split, dataset: str, rt: Runtime, batch_size: int = 1000) -> tuple[float, float, int]:
-    """(mean loss, accuracy, images counted) over the whole test set.
+def evaluate(model: nn.Module, split: Split, dataset: str, rt: Runtime, batch_size: int = 1000, keep: int = 32) -> Evaluation:
+    """Loss, accuracy and confusion matrix over the whole test set.
 
     Each rank takes its own unpadded strided shard and runs the unwrapped model (no
-    collectives inside); one all-reduce of (loss sum, correct, count) then gives the
-    exact global figures for any world size."""
+    collectives inside); one all-reduce of the sums and the confusion matrix then gives
+    exact global figures for any world size. Rank 0 also keeps a few examples to show."""
     model.eval()
     mine = torch.arange(rt.rank, len(split.labels), rt.world_size, device=rt.device)
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, images
+    confusion = torch.zeros(100, dtype=torch.int64, device=rt.device)
+    shown, shown_pred, wrong, wrong_pred = [], [], [], []
     for start in range(0, len(mine), batch_size):
         idx = mine[start: start + batch_size]
         logits, y = model(normalize(split.images[idx], dataset)), split.labels[idx]
+        pred = logits.argmax(1)
         sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        sums[1] += (logits.argmax(1) == y).sum()
-        sums[2] += len(idx)
+        sums[1] += len(idx)
+        confusion += torch.bincount(y * 10 + pred, minlength=100)
+        if rt.is_main and start == 0:
+            shown, shown_pred = idx[:keep], pred[:keep]
+        if rt.is_main and sum(map(len, wrong)) < keep:
+            miss = pred != y
+            wrong.append(idx[miss])
+            wrong_pred.append(pred[miss])
     model.train()
-    loss_sum, correct, count = all_reduce_sum(sums).tolist()
-    return loss_sum / count, correct / count, int(count)
+    all_reduce_sum(sums)
+    all_reduce_sum(confusion)
+    loss_sum, count = sums.tolist()
+    confusion = confusion.view(10, 10).cpu()
+    as_cpu = lambda parts: torch.cat(parts)[:keep].cpu() if parts else torch.zeros(0, dtype=torch.int64)
+    return Evaluation(loss_sum / count, confusion.trace().item() / count, int(count), confusion,
+                      torch.as_tensor(shown).cpu(), torch.as_tensor(shown_pred).cpu(), as_cpu(wrong), as_cpu(wrong_pred))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -735,6 +766,18 @@ def choose_run_dir(config: Config, launch: Launch) -> Path:
     return Path(config.log_dir, broadcast_from_main(name))
 
 
+def gpu_figures(device: torch.device) -> dict:
+    """This rank's peak GPU memory in the epoch and the GPU's utilisation (needs pynvml)."""
+    if device.type != "cuda":
+        return {}
+    figures = {"gpu_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    try:
+        figures["gpu_utilization"] = float(torch.cuda.utilization(device))
+    except Exception:  # no NVML bindings installed: memory alone
+        pass
+    return figures
+
+
 def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
     env = {
         "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
@@ -745,6 +788,37 @@ def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
     if rt.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(rt.device)
     return env
+
+
+def labelled_grid(images: torch.Tensor, pred: torch.Tensor, true: torch.Tensor, per_row: int = 8) -> np.ndarray:
+    """Test images, twice their size, each captioned 'prediction/truth' (green if right, red if wrong)."""
+    cell, caption = 56, 14
+    rows = max(1, math.ceil(len(images) / per_row))
+    sheet = Image.new("RGB", (per_row * cell, rows * (cell + caption)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (image, p, t) in enumerate(zip(images, pred.tolist(), true.tolist())):
+        x, y = (i % per_row) * cell, (i // per_row) * (cell + caption)
+        sheet.paste(Image.fromarray(image.numpy()).resize((cell, cell)), (x, y))
+        draw.text((x + 4, y + cell + 1), f"{p}/{t}", fill=(0, 140, 0) if p == t else (220, 0, 0))
+    return np.asarray(sheet)
+
+
+def confusion_picture(confusion: torch.Tensor) -> np.ndarray:
+    """The confusion matrix as a heat map with counts: rows true class, columns prediction."""
+    cell, left, top = 40, 24, 36
+    sheet = Image.new("RGB", (left + 10 * cell, top + 10 * cell), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((2, 2), "rows: true class, columns: prediction", fill="black")
+    share = confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)
+    for t in range(10):
+        draw.text((8, top + t * cell + 14), str(t), fill="black")
+        draw.text((left + t * cell + 17, top - 14), str(t), fill="black")
+        for p in range(10):
+            shade = int(255 * (1 - share[t, p].item()))
+            box = (left + p * cell, top + t * cell, left + (p + 1) * cell - 1, top + (t + 1) * cell - 1)
+            draw.rectangle(box, fill=(shade, shade, 255) if t == p else (255, shade, shade))
+            draw.text((box[0] + 6, box[1] + 14), str(int(confusion[t, p])), fill="white" if shade < 128 else "black")
+    return np.asarray(sheet)
 
 
 def markdown_table(d: dict) -> str:
@@ -778,18 +852,30 @@ class RunLogger:
         if self.show_progress:
             print(f"\repoch {epoch} step {step_in_epoch}/{steps_per_epoch} loss {loss.item():.4f}", end="", flush=True)
 
-    def epoch(self, record: dict) -> None:
+    def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None:
         if self.show_progress:
             print("\r\033[K", end="")
-        print(f"epoch {record['epoch']:3d} | train loss {record['train_loss']:.4f} | test loss {record['test_loss']:.4f} "
-              f"| test acc {100 * record['test_accuracy']:6.2f}% | lr {record['lr']:.2e} "
-              f"| {record['images_per_s']:8.0f} img/s | {record['epoch_s']:6.2f} s", flush=True)
+        line = (f"epoch {record['epoch']:3d} | train loss {record['train_loss']:.4f} | test loss {record['test_loss']:.4f} "
+                f"| test acc {100 * record['test_accuracy']:6.2f}% | lr {record['lr']:.2e} "
+                f"| {record['images_per_s']:8.0f} img/s | {record['epoch_s']:6.2f} s")
+        print(line, flush=True)
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         step = record["step"]
         for tag, key in (("train/loss", "train_loss"), ("test/loss", "test_loss"), ("test/accuracy", "test_accuracy"),
-                         ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"), ("speed/epoch_s", "epoch_s")):
-            self.writer.add_scalar(tag, record[key], step)
+                         ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"), ("speed/epoch_s", "epoch_s"),
+                         ("gpu/memory_gb", "gpu_memory_gb"), ("gpu/utilization_percent", "gpu_utilization")):
+            if key in record:
+                self.writer.add_scalar(tag, record[key], step)
+        self.writer.add_text("log", f"`{line}`", step)
+        if pictures:
+            images, labels = test_set.images.cpu(), test_set.labels.cpu()
+            self.writer.add_image("test/predictions", labelled_grid(images[evaluation.shown], evaluation.shown_pred,
+                                                                    labels[evaluation.shown]), step, dataformats="HWC")
+            if len(evaluation.wrong):
+                self.writer.add_image("test/misclassified", labelled_grid(images[evaluation.wrong], evaluation.wrong_pred,
+                                                                          labels[evaluation.wrong]), step, dataformats="HWC")
+            self.writer.add_image("test/confusion_matrix", confusion_picture(evaluation.confusion), step, dataformats="HWC")
         self.writer.flush()  # per epoch, not per step: cheap and TensorBoard stays current
 
     def finish(self, config: Config, final: dict, step: int) -> None:
@@ -810,7 +896,7 @@ class NullLogger:
     """What ranks other than 0 log: nothing, so call sites never branch on rank."""
 
     def step(self, *args) -> None: ...
-    def epoch(self, record: dict) -> None: ...
+    def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None: ...
     def finish(self, config: Config, final: dict, step: int) -> None: ...
     def close(self) -> None: ...
 
@@ -895,6 +981,8 @@ def main(argv: list[str] | None = None) -> int:
 
         while progress.epoch <= config.epochs and progress.step < total_steps:
             started = time.perf_counter()
+            if rt.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(rt.device)
             shard = epoch_shard(len(train_set.labels), progress.epoch, config.seed, rt.rank, rt.world_size).to(rt.device)
             for k in range(progress.step_in_epoch, steps_per_epoch):
                 idx = shard[k * config.batch_size: (k + 1) * config.batch_size]
@@ -921,13 +1009,14 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize(rt.device)
             train_seconds = time.perf_counter() - started
             train_loss_sum, images = all_reduce_sum(loss_sum.clone()).tolist()
-            test_loss, test_accuracy, test_images = evaluate(raw_model, test_set, config.dataset, rt)
+            evaluation = evaluate(raw_model, test_set, config.dataset, rt)
             progress.last_record = {
                 "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
-                "test_loss": test_loss, "test_accuracy": test_accuracy, "test_images": test_images,
+                "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_images": evaluation.count,
                 "lr": optimizer.param_groups[0]["lr"], "images_per_s": images / train_seconds,
-                "epoch_s": time.perf_counter() - started}
-            logger.epoch(progress.last_record)
+                "epoch_s": time.perf_counter() - started, **gpu_figures(rt.device)}
+            logger.epoch(progress.last_record, evaluation, test_set,
+                         pictures=config.image_every > 0 and progress.epoch % config.image_every == 0)
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             loss_sum.zero_()
             path = checkpoint()

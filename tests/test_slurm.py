@@ -25,7 +25,7 @@ from conftest import ROOT, SAMPLE, clean_env, read_metrics
 
 LOCAL_SLURM = ROOT / "local-slurm.sh"
 SBATCH_FILE = ROOT / "run_training.sbatch"
-SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT / ".ci" / "run"]
+SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT / "tensorboard.sh", ROOT / ".ci" / "run"]
 
 
 class Cluster:

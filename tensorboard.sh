@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# tensorboard.sh: TensorBoard on the runs of mnist_ddp.py, reloading every second, bound to
+# 127.0.0.1 so that only you reach it, through an SSH tunnel. Runs in the foreground;
+# Ctrl-C stops it.
+#
+# Usage: tensorboard.sh [--logdir DIR] [--port N] [--bind-all] [-- extra tensorboard options]
+#   --logdir DIR   directory holding the run directories     [LOG_DIR, else ./runs]
+#   --port N       port to try first; if taken, the next free one is used  [PORT, else 6006]
+#   --bind-all     listen on every interface: anyone who can reach this node sees your runs
+#   -h, --help     this text
+# Variables:
+#   LOG_DIR        as --logdir
+#   PORT           as --port
+#   VENV           virtual environment to activate  [./.venv when tensorboard is not on PATH]
+#   LOGIN_HOST     login node for the tunnel command on compute nodes  [SLURM_SUBMIT_HOST]
+#
+# It prints the ssh command to run on your own computer, then the URL to open there.
+set -euo pipefail
+
+die() { echo "tensorboard.sh: $*" >&2; exit 2; }
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+
+logdir=${LOG_DIR:-runs}
+port=${PORT:-6006}
+host=127.0.0.1
+extra=()
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --logdir) [[ $# -ge 2 ]] || die "--logdir needs a directory"; logdir=$2; shift 2 ;;
+        --logdir=*) logdir=${1#*=}; shift ;;
+        --port) [[ $# -ge 2 ]] || die "--port needs a number"; port=$2; shift 2 ;;
+        --port=*) port=${1#*=}; shift ;;
+        --bind-all) host=0.0.0.0; shift ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; extra=("$@"); break ;;
+        *) die "unknown option '$1'; see tensorboard.sh --help" ;;
+    esac
+done
+if [[ ! $port =~ ^[0-9]+$ ]] || (( port < 1024 || port > 65535 )); then
+    die "--port must be a number from 1024 to 65535, got '$port'"
+fi
+[[ -d $logdir ]] || die "log directory '$logdir' does not exist; train first (python mnist_ddp.py) or pass --logdir DIR"
+
+if ! command -v tensorboard >/dev/null 2>&1; then
+    venv=${VENV:-.venv}
+    [[ -f $venv/bin/activate ]] || die "tensorboard is not installed here: activate the virtual environment" \
+        "(source .venv/bin/activate, or set VENV=path) or run: pip install -r requirements.txt"
+    # shellcheck disable=SC1091  # the user's environment
+    source "$venv/bin/activate"
+    command -v tensorboard >/dev/null 2>&1 || die "$venv has no tensorboard; run: $venv/bin/pip install -r requirements.txt"
+fi
+
+port_is_free() {  # bind where TensorBoard will bind; a listener on any address blocks it
+    python3 -c 'import socket, sys
+s = socket.socket()
+try:
+    s.bind((sys.argv[1], int(sys.argv[2])))
+except OSError:
+    sys.exit(1)' "$host" "$1"
+}
+first=$port
+until port_is_free "$port"; do
+    (( port < first + 100 && port < 65535 )) || die "ports $first-$port are all taken; pass --port N"
+    port=$((port + 1))
+done
+if (( port != first )); then echo "tensorboard.sh: port $first is taken; using $port"; fi
+
+user=${USER:-$(id -un)}
+node=$(hostname -f 2>/dev/null || hostname)
+login=${LOGIN_HOST:-${SLURM_SUBMIT_HOST:-}}
+echo "On your own computer, open the tunnel:"
+if [[ -n $login && $login != "$(hostname -s)" && $login != "$node" ]]; then
+    # On a compute node: TensorBoard listens on the node's loopback, so hop through the
+    # login node to the compute node and forward to its localhost.
+    echo "  ssh -N -J $user@$login -L $port:localhost:$port $user@$node"
+else
+    echo "  ssh -N -L $port:localhost:$port $user@$node"
+    echo "  (from a compute node, go through the login node: ssh -N -J $user@LOGIN_NODE -L $port:localhost:$port $user@$node)"
+fi
+echo "then browse to http://localhost:$port/"
+if [[ $host == 0.0.0.0 ]]; then
+    echo "tensorboard.sh: warning: --bind-all: every user who can reach $node:$port sees these runs" >&2
+fi
+echo "TensorBoard on $host:$port, log directory $logdir (Ctrl-C to stop)"
+
+exec tensorboard --logdir "$logdir" --host "$host" --port "$port" --reload_interval 1 "${extra[@]}"
