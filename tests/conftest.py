@@ -78,6 +78,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+MEASURED = ("images_per_s", "epoch_s", "peak_rss_mb")  # figures of the machine, not of the training
+
+
+def read_results(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the measured figures: what two identical runs must share."""
+    return [{k: v for k, v in m.items() if k not in MEASURED} for m in read_metrics(run_dir)]
+
+
 def load_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model.pt", weights_only=True)
 

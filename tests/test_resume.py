@@ -20,7 +20,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_ok, load_params, read_metrics, run_as_srun, run_single
+from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single
 from mnist_ddp import EXIT_DIVERGED, EXIT_STOPPED, read_checkpoint
 
 # 4000 images, 2 ranks x 64: 32 steps an epoch; 2 epochs, 64 steps; dropout exercises the RNG state.
@@ -38,9 +38,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def assert_same_run(run_dir: Path, reference: Path) -> None:
     a, b = load_params(run_dir), load_params(reference)
     assert all(torch.equal(a[k], b[k]) for k in a), "parameters differ from the uninterrupted run"
-    timeless = [[{k: v for k, v in m.items() if k not in ("images_per_s", "epoch_s")} for m in read_metrics(d)]
-                for d in (run_dir, reference)]
-    assert timeless[0] == timeless[1]
+    assert read_results(run_dir) == read_results(reference)
 
 
 def interrupt_and_resume(workdir: Path, at: str) -> list[subprocess.CompletedProcess]:

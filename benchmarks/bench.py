@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Benchmark: mnist_ddp.py against the training loop people copy, on one machine, in one run.
+
+    python benchmarks/bench.py                      # Fashion-MNIST if installed, else the sample
+    python benchmarks/bench.py --fashion-dir DIR    # Fashion-MNIST .gz or IDX files from DIR
+    python benchmarks/bench.py --quick              # a few steps of everything (smoke test)
+
+It runs, one after another on the same machine:
+  1. reference: the seeds' loop (torchvision dataset + DataLoader with ToTensor, the
+     PyTorch MNIST example's 2-conv CNN with dropout, Adam 1e-3, batch 64, one process),
+     written out below;
+  2. mnist_ddp.py with its defaults, one process, all cores;
+  3. mnist_ddp.py with 2 Gloo ranks of 1 thread each against 1 rank of 2 threads, at the
+     same global batch (2 x 64 and 1 x 128, the same training steps);
+  4. the compute limit: forward + backward + AdamW step of the default model on batches
+     already normalised in memory, nothing else;
+and writes OUT/bench.json and OUT/bench.md: time to the target test accuracy (90 % on
+Fashion-MNIST, 98 % on the sample), training images per second, overhead against the
+compute limit (epoch wall time, evaluation included, over the pure step time), scaling
+(2x1 over 1x2 throughput) and peak memory per rank. Every figure is a ratio or a time
+taken on this machine; the table says which machine.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "mnist_ddp.py"
+DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
+IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def memory_mb() -> dict:
+    """Peak resident memory of this process, and the part of it that is not file-backed now."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kb = lambda key: int(status.get(key, "0 kB").split()[0])
+    return {"peak_rss_mb": kb("VmHWM") / 1024, "rss_anon_mb": kb("RssAnon") / 1024}
+
+
+# ----------------------------------------------------------------------------- the reference loop
+
+def reference(args) -> None:
+    """The seeds' loop, as they describe it; runs in a process of its own (one rank)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torchvision import datasets, transforms
+
+    class Net(nn.Module):  # the PyTorch MNIST example's CNN
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 32, 3, 1)
+            self.conv2 = nn.Conv2d(32, 64, 3, 1)
+            self.dropout1 = nn.Dropout(0.25)
+            self.dropout2 = nn.Dropout(0.5)
+            self.fc1 = nn.Linear(9216, 128)
+            self.fc2 = nn.Linear(128, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+            x = self.dropout1(x).flatten(1)
+            x = self.dropout2(F.relu(self.fc1(x)))
+            return F.log_softmax(self.fc2(x), dim=1)
+
+    torch.manual_seed(0)
+    cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": __import__("mnist_ddp").MNISTSample}[args.dataset]
+    train = cls(args.data_dir, train=True, transform=transforms.ToTensor())
+    test = cls(args.data_dir, train=False, transform=transforms.ToTensor())
+    train_loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True)
+    test_loader = torch.utils.data.DataLoader(test, batch_size=1000)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    epochs, elapsed = [], 0.0
+    for epoch in range(1, args.epochs + 1):
+        started = time.perf_counter()
+        model.train()
+        for step, (x, y) in enumerate(train_loader):
+            optimizer.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            optimizer.step()
+            if args.max_steps and step + 1 >= args.max_steps:
+                break
+        train_seconds = time.perf_counter() - started
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for x, y in test_loader:
+                correct += (model(x).argmax(1) == y).sum().item()
+        epoch_s = time.perf_counter() - started
+        elapsed += epoch_s
+        images = min(len(train), args.max_steps * 64) if args.max_steps else len(train)
+        epochs.append({"epoch": epoch, "test_accuracy": correct / len(test), "images_per_s": images / train_seconds,
+                       "epoch_s": epoch_s, "elapsed_s": elapsed})
+        print(f"reference epoch {epoch}: {100 * correct / len(test):.2f} % after {elapsed:.1f} s", flush=True)
+        if epochs[-1]["test_accuracy"] >= args.target:
+            break
+    Path(args.json).write_text(json.dumps({"epochs": epochs, **memory_mb()}))
+
+
+# ----------------------------------------------------------------------------- mnist_ddp.py runs
+
+def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int) -> list[dict]:
+    """Run mnist_ddp.py (under torchrun when nproc > 1); return its metrics.jsonl records."""
+    run_dir = out / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, str(SCRIPT)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    env["OMP_NUM_THREADS"] = str(threads)
+    with open(out / f"{name}.log", "w") as log:
+        subprocess.run([*cmd, *args, "--run-dir", str(run_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"{name}: {records[-1]['test_accuracy'] * 100:.2f} % after {len(records)} epochs, "
+          f"{statistics.median(r['images_per_s'] for r in records):.0f} images/s", flush=True)
+    return records
+
+
+def compute_limit(batch_size: int, threads: int, steps: int) -> float:
+    """Seconds per step of forward + backward + AdamW on batches already in memory."""
+    import torch
+    import torch.nn.functional as F
+    sys.path.insert(0, str(ROOT))
+    import mnist_ddp
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = mnist_ddp.build_model(mnist_ddp.Config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
+    batches = [(torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))) for _ in range(8)]
+    for x, y in batches[:3]:  # warm-up
+        mnist_ddp.train_step(model, optimizer, 1e-3, x, y)
+    started = time.perf_counter()
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return (time.perf_counter() - started) / steps
+
+
+def time_to(records: list[dict], target: float, time_key: str = "epoch_s") -> float | None:
+    elapsed = 0.0
+    for r in records:
+        elapsed += r[time_key]
+        if r["test_accuracy"] >= target:
+            return elapsed
+    return None
+
+
+# ----------------------------------------------------------------------------- main
+
+def stage_fashion(source: Path, data_dir: Path) -> None:
+    raw = data_dir / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in IDX_FILES:
+        if not (raw / name).exists():
+            packed, plain = source / f"{name}.gz", source / name
+            (raw / name).write_bytes(gzip.decompress(packed.read_bytes()) if packed.exists() else plain.read_bytes())
+
+
+def machine() -> dict:
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "python": platform.python_version(), "torch": torch.__version__, "gpu": "none"}
+
+
+def fmt(value, spec: str = ".1f", missing: str = "not reached") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fashion-dir", default=str(DEBIAN_FASHION), help="Fashion-MNIST .gz or IDX files (default: %(default)s)")
+    parser.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    parser.add_argument("--reference-epochs", type=int, default=5, help="most epochs of the reference loop (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="a few steps of everything: checks that the benchmark runs")
+    parser.add_argument("worker", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("--dataset", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--target", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "reference":
+        sys.path.insert(0, str(ROOT))
+        return reference(args)
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = out / "data"
+    fashion = Path(args.fashion_dir)
+    if all((fashion / f"{n}.gz").exists() or (fashion / n).exists() for n in IDX_FILES):
+        dataset, target = "fashion-mnist", 0.90
+        stage_fashion(fashion, data_dir)
+    else:
+        dataset, target = "mnist-sample", 0.98
+    print(f"data: {dataset} ({'from ' + str(fashion) if dataset == 'fashion-mnist' else 'the bundled sample'}), "
+          f"target {100 * target:.0f} %", flush=True)
+    common = ["--dataset", dataset, "--data-dir", str(data_dir), "--image-every", "0"]
+    quick = ["--max-steps", "20", "--epochs", "2"] if args.quick else []
+    threads = os.cpu_count() or 1
+
+    # Stage the data through mnist_ddp.py, so that both loops read the same files.
+    subprocess.run([sys.executable, str(SCRIPT), "--dataset", dataset, "--data-dir", str(data_dir), "--download-only"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+    # 1. the reference loop, in its own process
+    ref_json = out / "reference.json"
+    subprocess.run([sys.executable, __file__, "reference", "--dataset", dataset, "--data-dir", str(data_dir),
+                    "--epochs", str(1 if args.quick else args.reference_epochs), "--target", str(target),
+                    "--max-steps", "20" if args.quick else "0", "--json", str(ref_json)],
+                   env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=True)
+    ref = json.loads(ref_json.read_text())
+
+    # 2. the defaults, one process, between two measurements of 4. the compute limit (this
+    # machine's speed drifts; their mean is the limit)
+    limit_steps = 20 if args.quick else 300
+    per_step = compute_limit(128, threads, limit_steps)
+    default = run_script(out, "default", [*common, *quick], 1, threads)
+    per_step = (per_step + compute_limit(128, threads, limit_steps)) / 2
+    limit_epoch_s = per_step * default[0]["step"]
+    epoch_s = statistics.median(r["epoch_s"] for r in default)
+
+    # 3. two ranks of one thread against one rank of two: the defaults (128 images per
+    # rank), and the same global batch (2 x 64, the same training steps as 1 x 128)
+    scaling_args = [*common, "--epochs", "2", *(quick[:2] if args.quick else [])]
+    two_by_one = run_script(out, "2x1", scaling_args, 2, 1)
+    two_by_one_same_global = run_script(out, "2x1-b64", [*scaling_args, "--batch-size", "64"], 2, 1)
+    one_by_two = run_script(out, "1x2", scaling_args, 1, 2)
+
+    ref_time, our_time = time_to(ref["epochs"], target), time_to(default, target)
+    ref_speed = statistics.median(e["images_per_s"] for e in ref["epochs"])
+    our_speed = statistics.median(r["images_per_s"] for r in default)
+    results = {
+        "machine": machine(), "dataset": dataset, "target_accuracy": target, "quick": args.quick,
+        "reference": {"time_to_target_s": ref_time, "images_per_s": ref_speed, "epochs": ref["epochs"],
+                      "final_accuracy": ref["epochs"][-1]["test_accuracy"], "peak_rss_mb": ref["peak_rss_mb"],
+                      "rss_anon_mb": ref["rss_anon_mb"]},
+        "default": {"time_to_target_s": our_time, "images_per_s": our_speed, "epochs": default,
+                    "final_accuracy": default[-1]["test_accuracy"], "peak_rss_mb": default[-1].get("peak_rss_mb"),
+                    "epoch_s_median": epoch_s, "compute_limit_epoch_s": limit_epoch_s,
+                    "overhead": epoch_s / limit_epoch_s},
+        "scaling": {"2x1_images_per_s": two_by_one[-1]["images_per_s"], "1x2_images_per_s": one_by_two[-1]["images_per_s"],
+                    "ratio": two_by_one[-1]["images_per_s"] / one_by_two[-1]["images_per_s"],
+                    "2x1_b64_images_per_s": two_by_one_same_global[-1]["images_per_s"],
+                    "ratio_same_global_batch": two_by_one_same_global[-1]["images_per_s"] / one_by_two[-1]["images_per_s"],
+                    "2x1_peak_rss_mb": two_by_one[-1]["peak_rss_mb"], "1x2_peak_rss_mb": one_by_two[-1]["peak_rss_mb"]},
+    }
+    results["time_ratio"] = ref_time / our_time if ref_time and our_time else None
+    results["speed_ratio"] = our_speed / ref_speed
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    m, ref, d, s = r["machine"], r["reference"], r["default"], r["scaling"]
+    target = f"{100 * r['target_accuracy']:.0f} %"
+    lower = "" if ref["time_to_target_s"] else f" (> {ref['epochs'][-1]['elapsed_s']:.0f} s)"
+    rows = [
+        ("time to " + target + " test accuracy", f"{fmt(ref['time_to_target_s'])} s{lower}", f"{fmt(d['time_to_target_s'])} s",
+         f"{fmt(r['time_ratio'], '.1f', 'n/a')}x shorter"),
+        ("training images/s (median epoch)", f"{ref['images_per_s']:.0f}", f"{d['images_per_s']:.0f}", f"{r['speed_ratio']:.1f}x"),
+        ("final test accuracy", f"{100 * ref['final_accuracy']:.2f} % ({len(ref['epochs'])} epochs)",
+         f"{100 * d['final_accuracy']:.2f} % ({len(d['epochs'])} epochs)", ""),
+        ("peak RSS per rank", f"{ref['peak_rss_mb']:.0f} MB", f"{fmt(d['peak_rss_mb'], '.0f', '?')} MB", ""),
+        ("epoch wall time / compute limit", "", f"{d['epoch_s_median']:.2f} s / {d['compute_limit_epoch_s']:.2f} s",
+         f"{d['overhead']:.2f}"),
+        ("scaling: 2 ranks x 1 thread / 1 rank x 2 threads, 128 images per rank", "",
+         f"{s['2x1_images_per_s']:.0f} / {s['1x2_images_per_s']:.0f} images/s", f"{s['ratio']:.2f}"),
+        ("the same at one global batch of 128 (2 x 64 / 1 x 128)", "",
+         f"{s['2x1_b64_images_per_s']:.0f} / {s['1x2_images_per_s']:.0f} images/s", f"{s['ratio_same_global_batch']:.2f}"),
+        ("peak RSS per rank, 2 ranks x 1 thread", "", f"{s['2x1_peak_rss_mb']:.0f} MB", ""),
+    ]
+    lines = [f"Data: {r['dataset']}{' (quick run: not representative)' if r['quick'] else ''}. Machine: {m['cpu']}, "
+             f"{m['cores']} cores, {m['memory_gb']} GiB, no GPU; Python {m['python']}, torch {m['torch']}.", "",
+             "| figure | reference loop | mnist_ddp.py defaults | ratio |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {e} |" for a, b, c, e in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The benchmark's one command runs end to end (its --quick mode: a few steps of every
+part) and writes its JSON and Markdown table with every figure present. It asserts no
+timings: those are measured by the full run and written in the README.
+
+    python -m pytest tests/test_benchmark.py
+"""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, clean_env
+
+
+def test_benchmark_quick_run(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--out", str(tmp_path / "out")],
+                            env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["dataset"] in ("fashion-mnist", "mnist-sample") and report["quick"]
+    for part in ("reference", "default"):
+        assert report[part]["images_per_s"] > 0 and report[part]["peak_rss_mb"] > 0
+    assert report["default"]["overhead"] > 0 and report["scaling"]["ratio"] > 0
+    table = (tmp_path / "out" / "bench.md").read_text()
+    assert "| time to " in table and "| scaling: 2 ranks x 1 thread / 1 rank x 2 threads, 128 images per rank |" in table
