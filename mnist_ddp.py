@@ -13,8 +13,8 @@ What it does
     stdout, metrics.jsonl and TensorBoard in one run directory per job.
 
 What it reaches (measured on 2 CPU cores; README.md "Benchmark" has the table and machine)
-  * bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 95.8-96.3 % test
-    accuracy (seeds 0-2) in ~10 s on 2 CPU cores;
+  * bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 95.9-96.0 % test
+    accuracy (seeds 0-2) in ~11 s on 2 CPU cores;
   * full Fashion-MNIST, defaults: 90 % after 4 epochs, 91.2 % after 8; 8.5x sooner to
     90 % than the usual DataLoader + ToTensor example loop (36.7 s against 310.5 s).
 
