@@ -326,16 +326,17 @@ def teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place across ranks; a single process has nothing to reduce."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=op)
     return tensor
 
 
 def all_ranks_agree(ok: bool, rt: Runtime) -> bool:
     """True when `ok` holds on every rank; doubles as a barrier."""
     flag = torch.tensor([0 if ok else 1], device=rt.device)
-    return all_reduce_sum(flag).item() == 0
+    return all_reduce(flag).item() == 0
 
 
 def broadcast_from_main(value):
@@ -577,8 +578,8 @@ def evaluate(model: nn.Module, split: Split, config: Config, rt: Runtime, batch_
             wrong.append(idx[miss])
             wrong_pred.append(pred[miss])
     model.train()
-    all_reduce_sum(sums)
-    all_reduce_sum(confusion)
+    all_reduce(sums)
+    all_reduce(confusion)
     loss_sum, count = sums.tolist()
     confusion = confusion.view(10, 10).cpu()
     as_cpu = lambda parts: torch.cat(parts)[:keep].cpu() if parts else torch.zeros(0, dtype=torch.int64)
@@ -737,7 +738,7 @@ def agree_on_stopping(stop: StopSignals, loss: torch.Tensor, rt: Runtime) -> tup
     """(some rank got a stop signal, some rank's loss is not finite): one small all-reduce."""
     flags = torch.stack([torch.tensor(float(stop.received > 0), device=rt.device),
                          (~torch.isfinite(loss)).to(torch.float32)])
-    stopping, diverged = all_reduce_sum(flags).tolist()
+    stopping, diverged = all_reduce(flags).tolist()
     return stopping > 0, diverged > 0
 
 
@@ -782,10 +783,7 @@ def peak_rss_mb(rt: Runtime) -> float:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 peak = int(line.split()[1]) / 1024
-    value = torch.tensor([peak], dtype=torch.float64, device=rt.device)
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.item()
+    return all_reduce(torch.tensor([peak], dtype=torch.float64, device=rt.device), dist.ReduceOp.MAX).item()
 
 
 def gpu_figures(device: torch.device) -> dict:
@@ -1035,7 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             train_seconds = time.perf_counter() - started
-            train_loss_sum, images = all_reduce_sum(loss_sum.clone()).tolist()
+            train_loss_sum, images = all_reduce(loss_sum.clone()).tolist()
             evaluation = evaluate(raw_model, test_set, config, rt)
             progress.last_record = {
                 "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
