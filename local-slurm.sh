@@ -17,7 +17,12 @@
 # run in the controller's namespace, so use `local-slurm.sh exec DIR sbatch ...`.
 #
 # Variables (defaults in brackets):
-#   LOCAL_SLURM_CPUS     CPUs each node advertises   [4 for one node, 1 per node for several]
+#   LOCAL_SLURM_CPUS     CPUs each node advertises   [4 for one node, 1 per node for several;
+#                        with task/affinity, this machine's CPUs]
+#   LOCAL_SLURM_TASK_PLUGIN  task/none, or task/affinity to bind every task to the CPUs it
+#                        was given, as real clusters do  [task/none]
+#   LOCAL_SLURM_SELF_LOOPBACK  1: each node's own name resolves to 127.0.1.1 on that node,
+#                        as Debian and Ubuntu installers write /etc/hosts  [0]
 #   LOCAL_SLURM_PORT     slurmctld port; slurmd uses the next one  [6817]
 #   LOCAL_SLURM_SUBNET   first three octets of the namespaces' addresses  [10.231.7]
 #   LOCAL_SLURM_PREFIX   prefix of node and namespace names  [ls]
@@ -76,7 +81,7 @@ SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=$TASK_PLUGIN
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
@@ -115,10 +120,16 @@ start_namespaces() {  # controller namespace with a bridge, one namespace per no
     ip -n "$ctl" link add br0 type bridge
     ip -n "$ctl" addr add "$SUBNET.1/24" dev br0
     ip -n "$ctl" link set br0 up
-    { echo "127.0.0.1 localhost"; echo "$SUBNET.1 $(hostname -s)"
-      for i in $(seq 1 "$NODES"); do echo "$SUBNET.$((10 + i)) ${prefix}n$i"; done; } > "$DIR/hosts"
     for i in $(seq 1 "$NODES"); do
         node="${prefix}n$i"
+        # Every node name resolves to that node's address (on its own node too, unless
+        # LOCAL_SLURM_SELF_LOOPBACK=1 makes it 127.0.1.1 there).
+        { echo "127.0.0.1 localhost"; echo "$SUBNET.1 $(hostname -s)"
+          local j
+          for j in $(seq 1 "$NODES"); do
+              if [[ $j == "$i" && ${LOCAL_SLURM_SELF_LOOPBACK:-0} == 1 ]]; then echo "127.0.1.1 ${prefix}n$j"
+              else echo "$SUBNET.$((10 + j)) ${prefix}n$j"; fi
+          done; } > "$DIR/hosts-$node"
         ip netns add "$node"
         echo "$node" >> "$DIR/netns-nodes"
         ip -n "$ctl" link add "v$i" type veth peer name eth0 netns "$node"
@@ -160,7 +171,7 @@ start_cluster() {
             # shellcheck disable=SC2016  # $1..$3 are the inner shell's arguments
             nsenter --net="/run/netns/${prefix}n$i" unshare --uts --mount --propagation private \
                 sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && exec slurmd -f "$3" -N "$1"' \
-                sh "${prefix}n$i" "$DIR/hosts" "$SLURM_CONF"
+                sh "${prefix}n$i" "$DIR/hosts-${prefix}n$i" "$SLURM_CONF"
         done
     fi
     wait_for 30 "all nodes idle" all_idle
@@ -207,7 +218,11 @@ case $command in
         NODES=1
         if [[ $command == start ]]; then NODES=${3:-1}; fi
         [[ $NODES =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive number, got '$NODES'"
-        if (( NODES == 1 )); then CPUS=${LOCAL_SLURM_CPUS:-4}; else CPUS=${LOCAL_SLURM_CPUS:-1}; fi
+        TASK_PLUGIN=${LOCAL_SLURM_TASK_PLUGIN:-task/none}
+        [[ $TASK_PLUGIN == task/none || $TASK_PLUGIN == task/affinity ]] \
+            || die "LOCAL_SLURM_TASK_PLUGIN must be task/none or task/affinity, got '$TASK_PLUGIN'"
+        if [[ $TASK_PLUGIN == task/affinity ]]; then CPUS=${LOCAL_SLURM_CPUS:-$(nproc)}  # binding needs real CPUs
+        elif (( NODES == 1 )); then CPUS=${LOCAL_SLURM_CPUS:-4}; else CPUS=${LOCAL_SLURM_CPUS:-1}; fi
         PORT=${LOCAL_SLURM_PORT:-6817}
         SUBNET=${LOCAL_SLURM_SUBNET:-10.231.7}
         case $command in

@@ -24,18 +24,52 @@ How to launch
   torchrun --standalone --nproc-per-node 2 mnist_ddp.py --dataset fashion-mnist
   srun --ntasks 2 python mnist_ddp.py                    # inside an allocation
   sbatch run_training.sbatch --epochs 3                  # Slurm batch job
+  RUN_NAME=lr3e-3 sbatch run_training.sbatch             # a named run: resubmitting continues it
 
-Checkpoints go to RUN_DIR/checkpoints (atomic, last --keep-ckpts kept); --resume auto
-(the default) continues from the newest valid one, so a requeued Slurm job needs no new
-options. SIGUSR1 or SIGTERM: save at the next step, requeue the Slurm job, exit.
+A run lives in LOG_DIR/RUN_NAME (--run-name; default job-<SLURM_JOB_ID>, else a timestamp).
+Checkpoints go to its checkpoints/ (atomic, last --keep-ckpts kept); --resume auto (the
+default) continues from the newest valid one, so the same command with the same run name,
+or a requeued Slurm job, carries on where it stopped. --allow-changes lets it carry on with
+more --epochs or another --lr. SIGUSR1 or SIGTERM: save at the next step, requeue the
+Slurm job, exit.
 
-Exit codes: 0 done; 1 unexpected error (traceback), e.g. a rank died; 2 a problem you can
-fix (one line on stderr that says what to do); 3 the loss became NaN or infinite (nothing
-bad was saved); 75 stopped by SIGUSR1/SIGTERM after saving a checkpoint (run the same
-command again to continue; under Slurm the job has requeued itself).
+Exit codes
+   0  done
+   1  unexpected error (a traceback), e.g. a bug, or a rank died
+   2  a problem you can fix: one line on stderr says what to do
+   3  the loss or the weights stopped being finite; nothing bad was saved (the line says
+      how to resume with a lower --lr)
+  75  stopped by SIGUSR1/SIGTERM after saving a checkpoint; the line says how to continue
+      (under Slurm with --requeue the job has requeued itself)
 """
 
-import argparse
+import signal
+
+
+class StopSignals:
+    """SIGUSR1 (Slurm's --signal) and SIGTERM (preemption, time limit, torchrun) only set a
+    flag here; the training loop acts on it at the next step boundary, where every rank
+    agrees, rank 0 saves and the job requeues itself. Saving inside a handler could
+    interrupt a half-written file or a collective."""
+
+    def __init__(self):
+        self.received = 0
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# A stop signal may come while torch is still being imported or while ranks wait for each
+# other (a requeued job gets its time-limit signal again): catch it from the first moment,
+# or it kills the process before anything can be saved. main() takes this over.
+EARLY_STOP = StopSignals() if __name__ == "__main__" else None
+
+import argparse  # (after the stop signals, on purpose: see above)
 import contextlib
 import dataclasses
 import fcntl
@@ -45,19 +79,19 @@ import math
 import os
 import platform
 import re
-import signal
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch
@@ -90,6 +124,10 @@ class Diverged(Exception):
 # ----------------------------------------------------------------------------- config
 
 DATASETS = ("mnist-sample", "mnist", "fashion-mnist")
+# Options that set the course of training: a checkpoint resumes only a run with the same,
+# except that --allow-changes lets the CHANGEABLE ones differ.
+TRAJECTORY = ("dataset", "model", "epochs", "batch_size", "lr", "weight_decay", "dropout", "seed", "max_steps")
+CHANGEABLE = ("epochs", "max_steps", "lr", "weight_decay")
 MODELS = ("cnn", "mlp", "resnet18")
 
 
@@ -100,6 +138,9 @@ class Config:
         "choices": DATASETS, "help": "mnist-sample is the bundled 4,000/1,000-image MNIST sample (offline)"})
     data_dir: str = field(default="data", metadata={
         "help": "data directory, on shared storage for multi-node jobs; files go to DATA_DIR/<Name>/raw"})
+    node_data_dir: str = field(default="", metadata={
+        "help": "node-local directory ($TMPDIR, /scratch/$USER, ...; $VARS expand on each node): the first rank of "
+                "each node copies the data there from --data-dir, and every rank reads it from there"})
     data_mirror: str = field(default="", metadata={
         "help": "base URL (http://, https:// or file://) that replaces torchvision's download mirrors"})
     download_only: bool = field(default=False, metadata={
@@ -122,9 +163,14 @@ class Config:
     channels_last: bool = field(default=False, metadata={"help": "channels-last memory layout for convolutions"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (slow first steps; needs a C++ compiler on CPUs)"})
     # output
-    log_dir: str = field(default="runs", metadata={"help": "directory that holds one run directory per job (shared storage)"})
-    run_dir: str = field(default="", metadata={"help": "this run's directory (default: LOG_DIR/job-<SLURM_JOB_ID>, else LOG_DIR/<timestamp>)"})
+    log_dir: str = field(default="runs", metadata={"help": "directory that holds one directory per run (shared storage)"})
+    run_name: str = field(default="", metadata={
+        "help": "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from its newest "
+                "checkpoint (default: job-<SLURM_JOB_ID>, else a timestamp)"})
+    run_dir: str = field(default="", metadata={"help": "the run's directory as a path, instead of LOG_DIR/RUN_NAME"})
     log_every: int = field(default=50, metadata={"help": "log the training loss to TensorBoard every N steps"})
+    progress_every: float = field(default=60.0, metadata={
+        "help": "when the output is not a terminal (batch jobs), print a progress line every N seconds (0: never)"})
     image_every: int = field(default=1, metadata={
         "help": "log test images with their predictions and a confusion matrix every N epochs (0: never)"})
     # checkpoints and preemption
@@ -132,6 +178,9 @@ class Config:
         "help": "auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints; never: start afresh; or a checkpoint file"})
     ckpt_every: int = field(default=500, metadata={"help": "checkpoint every N steps as well as at each epoch end (0: epoch ends only)"})
     keep_ckpts: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
+    allow_changes: bool = field(default=False, metadata={
+        "help": f"resume even though {', '.join('--' + k.replace('_', '-') for k in CHANGEABLE)} differ from the "
+                "checkpoint's (to train longer, or on with a lower --lr); the change is logged"})
     interrupt_at: str = field(default="", metadata={
         "help": "testing aid: rank 0 sends itself a signal after step N, as N:USR1 or N:TERM"})
 
@@ -141,10 +190,16 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The whole docstring as written (launch commands, exit codes), and defaults unless empty."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Derive the CLI from Config: one kebab-case flag per field, default shown in --help."""
-    parser = OneLineErrorParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineErrorParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
@@ -168,6 +223,11 @@ def check_config(c: Config) -> None:
     need(c.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {c.max_steps}")
     need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
     need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
+    need(math.isfinite(c.progress_every) and c.progress_every >= 0,
+         f"--progress-every must be 0 (never) or a number of seconds, got {c.progress_every}")
+    need(not c.run_name or (re.fullmatch(r"[\w.+=,@-]+", c.run_name) is not None and c.run_name not in (".", "..")),
+         f"--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces), got {c.run_name!r}")
+    need(not (c.run_name and c.run_dir), "pass --run-name or --run-dir, not both")
     need(c.image_every >= 0, f"--image-every must be 0 (never) or more, got {c.image_every}")
     need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
     need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
@@ -203,6 +263,9 @@ class Launch:
     master_port: int
     job_id: str             # Slurm job id ("123" or "123_4" for an array task), "" outside Slurm
     num_threads: int        # CPU threads for this rank; 0 = leave torch's default
+    local_world_size: int = 1   # ranks on this node
+    gpus_granted: str = ""      # the variable that says this job was given GPUs, e.g. "SLURM_JOB_GPUS=0,1"
+    gpu_per_task: bool = False  # srun --gpus-per-task: Slurm shows each task only its own GPU(s)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -235,6 +298,27 @@ def port_from_job_id(job_id: str) -> int:
     return 10000 + int(job_id or 0) % 20000
 
 
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """This node's entry of Slurm's compressed task counts: '2(x3),1' is 2, 2, 2, 1."""
+    counts: list[int] = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(repeat or 1)
+    return counts[node_id] if node_id < len(counts) else 0
+
+
+def gpus_granted(env: Mapping[str, str]) -> str:
+    """Which variable says that GPUs were given to this job ("" if none does)."""
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES"):
+        value = env.get(name, "").strip()
+        if name == "SLURM_GPUS_ON_NODE":  # a count; the others list devices, where 0 is the first GPU
+            given = value.isdigit() and int(value) > 0
+        else:
+            given = value not in ("", "-1", "NoDevFiles")
+        if given:
+            return f"{name}={value}"
+    return ""
+
+
 def _int_var(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
@@ -255,8 +339,9 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
         missing = [v for v in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in env]
         if missing:
             raise UsageError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} not; launch with torchrun, or unset RANK/WORLD_SIZE")
+        local_world = _int_var(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _int_var(env, "LOCAL_RANK") + 1
         launch = Launch("torchrun", _int_var(env, "RANK"), _int_var(env, "LOCAL_RANK"), _int_var(env, "WORLD_SIZE"),
-                        env["MASTER_ADDR"], _int_var(env, "MASTER_PORT"), job_id, num_threads)
+                        env["MASTER_ADDR"], _int_var(env, "MASTER_PORT"), job_id, num_threads, local_world)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         ntasks = _int_var(env, "SLURM_NTASKS")
         if not env.get("SLURM_JOB_ID", "0").isdigit():
@@ -269,10 +354,14 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
             raise UsageError("SLURM_JOB_NODELIST is not set, so the first host is unknown; set MASTER_ADDR")
         master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
         master_port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else port_from_job_id(env.get("SLURM_JOB_ID", ""))
-        launch = Launch("slurm", _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                        ntasks, master_addr, master_port, job_id, num_threads)
+        local_rank = _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+        local_world = tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0") or 0)) if per_node else ntasks
+        launch = Launch("slurm", _int_var(env, "SLURM_PROCID"), local_rank, ntasks, master_addr, master_port, job_id,
+                        num_threads, max(local_world, local_rank + 1), gpu_per_task=bool(env.get("SLURM_GPUS_PER_TASK")))
     else:
         launch = Launch("single", 0, 0, 1, "127.0.0.1", 0, job_id, num_threads)
+    launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env))
 
     if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or not 0 <= launch.local_rank <= launch.rank:
         raise UsageError(f"ranks do not add up ({launch.source}: rank {launch.rank}, local rank {launch.local_rank}, "
@@ -293,23 +382,78 @@ class Runtime:
     is_main: bool
 
 
-def pick_device(config: Config, launch: Launch) -> tuple[torch.device, str]:
-    cuda = torch.cuda.is_available()
-    if (config.device == "cuda" or config.backend == "nccl") and not cuda:
+# CUDA builds on PyTorch's own index, oldest first; a driver runs builds up to its CUDA version.
+CUDA_WHEELS = ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (12, 9), (13, 0))
+
+
+def driver_cuda() -> tuple[str, str]:
+    """(driver version, highest CUDA version it runs) from nvidia-smi's header, or ("", "")."""
+    try:
+        header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "", ""
+    driver = re.search(r"Driver Version:\s*([\d.]+)", header)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    return (driver.group(1) if driver else ""), (cuda.group(1) if cuda else "")
+
+
+def unusable_gpu_message(granted: str, torch_cuda: str | None, driver: str, driver_max_cuda: str) -> str:
+    """Slurm gave GPUs that this torch cannot use: say why, and which build to install."""
+    build = f"torch {torch.__version__} is a CPU-only build" if not torch_cuda else f"torch {torch.__version__} is built for CUDA {torch_cuda}"
+    fits = [w for w in CUDA_WHEELS if driver_max_cuda and w <= tuple(int(x) for x in driver_max_cuda.split(".")[:2])]
+    index = "cu{}{}".format(*fits[-1]) if fits else "cuXYZ (a CUDA version your driver supports)"
+    node = (f"the node's driver {driver} runs CUDA up to {driver_max_cuda}" if driver
+            else "the driver's version is unknown (no nvidia-smi on this node)")
+    return (f"this job was given GPUs ({granted}) but torch cannot use them: {build}, {node}. Install a matching build: "
+            f"pip install torch torchvision --index-url https://download.pytorch.org/whl/{index} ; or pass --device cpu "
+            "to train on the CPU on purpose")
+
+
+def pick_device(config: Config, launch: Launch, cuda_available: bool, device_count: int) -> tuple[torch.device, str]:
+    """The device and backend of this rank, from the launcher's facts and what torch sees.
+
+    A GPU that Slurm gave but torch cannot use (a CUDA build newer than the driver, a
+    CPU-only wheel) must not quietly become a CPU run; nor may ranks pile onto fewer GPUs."""
+    wants_cuda = config.device == "cuda" or config.backend == "nccl"
+    if not cuda_available and (wants_cuda or (config.device == "auto" and launch.gpus_granted)):
+        if launch.gpus_granted:
+            raise UsageError(unusable_gpu_message(launch.gpus_granted, torch.version.cuda, *driver_cuda()))
         flag = "--device cuda" if config.device == "cuda" else "--backend nccl"
-        raise UsageError(f"{flag} needs a CUDA GPU but torch sees none (CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu --backend gloo, or ask Slurm for a GPU")
-    use_cuda = config.device == "cuda" or (config.device == "auto" and cuda)
-    # Several tasks per node share the node's GPUs round-robin; one task per GPU is the norm.
-    device = torch.device("cuda", launch.local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+        raise UsageError(f"{flag} needs a CUDA GPU but torch sees none (CUDA_VISIBLE_DEVICES unset); "
+                         "use --device cpu --backend gloo, or ask Slurm for a GPU")
+    use_cuda = config.device == "cuda" or (config.device == "auto" and cuda_available)
     backend = config.backend if config.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    return device, backend
+    if not use_cuda:
+        return torch.device("cpu"), backend
+    if launch.local_world_size <= device_count:
+        index = launch.local_rank                       # each rank of the node sees every GPU: take its own
+    elif device_count == 1 and launch.gpu_per_task and launch.source == "slurm":
+        index = 0                                       # srun --gpus-per-task: the one GPU shown is this task's
+    else:
+        raise UsageError(
+            f"{launch.local_world_size} ranks on this node but {device_count} GPU(s) visible to rank {launch.rank} "
+            f"({launch.gpus_granted or 'CUDA_VISIBLE_DEVICES unset'}): ranks would share GPUs. Ask for one GPU per rank: "
+            "--gpus-per-node=N with --ntasks-per-node=N, or --gpus-per-task=1 (srun mode only: with LAUNCHER=torchrun, "
+            "one task per node must see all its GPUs, so use --gpus-per-node)")
+    return torch.device("cuda", index), backend
+
+
+def amp_warning(amp: bool, gpu_name: str, capability: tuple[int, int]) -> str:
+    """bfloat16 runs in emulation on GPUs before Ampere (compute capability 8.0): slower than fp32."""
+    if not amp or capability >= (8, 0):
+        return ""
+    return (f"warning: --amp uses bfloat16, which {gpu_name} (compute capability {capability[0]}.{capability[1]}) "
+            "only emulates: slower than without --amp. Leave --amp off on GPUs older than Ampere (A100, RTX 30xx)")
 
 
 def init_distributed(config: Config, launch: Launch) -> Runtime:
-    device, backend = pick_device(config, launch)
+    cuda = torch.cuda.is_available()
+    device, backend = pick_device(config, launch, cuda, torch.cuda.device_count() if cuda else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
+        warning = amp_warning(config.amp, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+        if warning and launch.rank == 0:
+            print(warning, file=sys.stderr, flush=True)
     if launch.num_threads:
         torch.set_num_threads(launch.num_threads)
     if launch.world_size == 1:
@@ -399,33 +543,50 @@ def copy_from_file_mirror(cls: type[MNIST], raw: Path) -> None:
             raise RuntimeError(f"{source} does not have the expected MD5 {md5}")
 
 
-def stage_dataset(cls: type[MNIST], data_dir: Path) -> bool:
-    """Make DATA_DIR/<Name>/raw hold the unpacked files; True if it had to download them.
+def is_staged(cls: type[MNIST], data_dir: Path) -> bool:
+    raw = data_dir / cls.__name__ / "raw"
+    return all((raw / name).is_file() for name in raw_files(cls))
 
-    A file lock in the data directory makes concurrent jobs (and nodes sharing an NFS
-    data directory) take turns. Files are downloaded and checked in a private staging
+
+def stage_dataset(cls: type[MNIST], data_dir: Path, source: Path | None = None, flag: str = "--data-dir") -> bool:
+    """Make DATA_DIR/<Name>/raw hold the unpacked files, downloaded or copied from the
+    staged data directory `source`; True if it had to fetch them.
+
+    A data directory that already holds the data is only read (it may be read-only). To
+    fetch, a file lock in the data directory makes concurrent jobs (and nodes sharing an
+    NFS data directory) take turns. Files are fetched and checked in a private staging
     directory and then renamed into place, so a reader never sees half a file and a
     crash mid-download leaves nothing behind that looks complete."""
+    if is_staged(cls, data_dir):
+        return False
     raw = data_dir / cls.__name__ / "raw"
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         lock_file = open(data_dir / ".mnist_ddp.lock", "a")
     except OSError as err:
-        raise UsageError(f"cannot write to --data-dir {data_dir} ({err.strerror}); pass a writable --data-dir") from None
+        raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}) and it does not hold {cls.__name__} yet; "
+                         f"pass a writable {flag}, or stage the data into it elsewhere first") from None
     with lock_file:
         fcntl.lockf(lock_file, fcntl.LOCK_EX)  # POSIX locks also work across NFS clients
-        if all((raw / name).is_file() for name in raw_files(cls)):
+        if is_staged(cls, data_dir):
             return False
         chatter = io.StringIO()
         try:
             with tempfile.TemporaryDirectory(dir=data_dir, prefix=".staging-") as staging:
-                copy_from_file_mirror(cls, Path(staging, cls.__name__, "raw"))
-                with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-                    cls(staging, train=True, download=True)
+                staged_raw = Path(staging, cls.__name__, "raw")
+                if source is not None:
+                    shutil.copytree(source / cls.__name__ / "raw", staged_raw)
+                else:
+                    copy_from_file_mirror(cls, staged_raw)
+                    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+                        cls(staging, train=True, download=True)
                 raw.mkdir(parents=True, exist_ok=True)
                 for name in raw_files(cls):
-                    os.replace(Path(staging, cls.__name__, "raw", name), raw / name)
+                    os.replace(staged_raw / name, raw / name)
         except (RuntimeError, OSError) as err:
+            if source is not None:
+                raise UsageError(f"cannot copy {cls.__name__} from {source} into the node-local {data_dir} "
+                                 f"({getattr(err, 'strerror', None) or err}); free space there or pass another --node-data-dir") from None
             lines = [line.strip() for line in str(err).splitlines() + chatter.getvalue().splitlines() if line.strip()]
             reason = lines[-1] if lines else type(err).__name__
             names = ", ".join(name for name, _ in cls.resources)
@@ -433,6 +594,17 @@ def stage_dataset(cls: type[MNIST], data_dir: Path) -> bool:
                              f"there, e.g. run `python {PROG} --dataset ... --download-only` on a machine with internet, "
                              "or pass --data-mirror URL or --data-dir DIR") from None
     return True
+
+
+def node_data_dir(config: Config) -> Path | None:
+    """--node-data-dir with $VARS and ~ expanded here, on the node (not at submission)."""
+    if not config.node_data_dir:
+        return None
+    path = os.path.expandvars(os.path.expanduser(config.node_data_dir))
+    if "$" in path:
+        raise UsageError(f"--node-data-dir {config.node_data_dir}: {path} names a variable that is not set on "
+                         f"{socket.gethostname()}; name a directory that exists on every node, e.g. '$TMPDIR/data'")
+    return Path(path)
 
 
 def load_split(cls: type[MNIST], data_dir: Path, train: bool, device: torch.device) -> Split:
@@ -448,17 +620,22 @@ def prepare_data(config: Config, rt: Runtime) -> tuple[Split, Split]:
     """The first rank of each node stages the data while the others wait; then all load it.
 
     One rank per node (not one per job) also covers node-local data directories; on a
-    shared one, the lock lets only the first of them download."""
+    shared one, the lock lets only the first of them download. With --node-data-dir the
+    shared directory is the source, and each node reads its own copy."""
     cls, data_dir = dataset_class(config), Path(config.data_dir)
     error = ""
     if rt.local_rank == 0:
         try:
             if stage_dataset(cls, data_dir):
                 print(f"[rank {rt.rank}] staged {cls.__name__} in {data_dir / cls.__name__ / 'raw'}", flush=True)
+            local = node_data_dir(config)
+            if local is not None and stage_dataset(cls, local, source=data_dir, flag="--node-data-dir"):
+                print(f"[rank {rt.rank}] copied {cls.__name__} to {local} on {socket.gethostname()}", flush=True)
         except UsageError as err:
             error = str(err)
     if not all_ranks_agree(not error, rt):
         raise UsageError(error or "another rank could not stage the data set; see its error above")
+    data_dir = node_data_dir(config) or data_dir
     return load_split(cls, data_dir, True, rt.device), load_split(cls, data_dir, False, rt.device)
 
 
@@ -486,8 +663,9 @@ def epoch_shard(n: int, epoch: int, seed: int, rank: int, world_size: int) -> to
 # ----------------------------------------------------------------------------- model
 
 class SmallCNN(nn.Module):
-    """Two 3x3 conv blocks and a linear classifier: ~20x fewer multiply-adds per image than
-    the 2-conv CNN of the PyTorch MNIST example, and as accurate in a few epochs."""
+    """A 5x5 and a 3x3 convolution, both of stride 2 (no pooling), and a linear classifier:
+    ~20x fewer multiply-adds per image than the 2-conv CNN of the PyTorch MNIST example,
+    and as accurate in a few epochs."""
 
     def __init__(self, dropout: float):
         super().__init__()
@@ -551,6 +729,16 @@ class Evaluation:
     wrong_pred: torch.Tensor    # ... its predictions for them
 
 
+def sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics).
+
+    Each rank updates them from its own batches, so without this every shard of the test
+    set would be scored by a different model, and none of them the one rank 0 saves."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, split: Split, config: Config, rt: Runtime, batch_size: int = 1000, keep: int = 32) -> Evaluation:
     """Loss, accuracy and confusion matrix over the whole test set.
@@ -601,8 +789,6 @@ def save_atomic(obj, path: Path) -> None:
 
 
 CKPT_FORMAT = 1
-# Options that set the course of training: a checkpoint resumes only a run with the same.
-TRAJECTORY = ("dataset", "model", "epochs", "batch_size", "lr", "weight_decay", "dropout", "seed", "max_steps")
 
 
 @dataclass
@@ -635,8 +821,7 @@ def save_checkpoint(run_dir: Path, config: Config, rt: Runtime, model: nn.Module
     # A finite loss can still be followed by an update that overflows the weights. The
     # weights are the same on every rank, so every rank reaches the same verdict.
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise Diverged(f"the weights stopped being finite at step {progress.step} (epoch {progress.epoch}); "
-                       "nothing was saved: lower --lr and resume from the last checkpoint")
+        raise Diverged("the weights stopped being finite")
     states = gather_to_all(rank_state(loss_sum, rt.device))
     path = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
     if rt.is_main:
@@ -658,21 +843,23 @@ def read_checkpoint(path: Path, device: torch.device | str) -> dict:
     return ckpt
 
 
-def checkpoint_differences(ckpt: dict, config: Config) -> list[str]:
+def checkpoint_differences(ckpt: dict, config: Config) -> dict[str, str]:
+    """The trajectory options that differ, each as 'there -> here'."""
     mine = dataclasses.asdict(config)
-    return [f"--{k.replace('_', '-')} {ckpt['config'].get(k)} there, {mine[k]} here"
-            for k in TRAJECTORY if ckpt["config"].get(k) != mine[k]]
+    return {k: f"--{k.replace('_', '-')} {ckpt['config'].get(k)} there, {mine[k]} here"
+            for k in TRAJECTORY if ckpt["config"].get(k) != mine[k]}
 
 
-def find_checkpoint(config: Config, run_dir: Path) -> Path | None:
+def find_checkpoint(config: Config, run_dir: Path) -> tuple[Path | None, str]:
     """Rank 0 picks the checkpoint to resume from: the newest one that loads, falling back
-    past damaged or refused files with a warning that names them."""
+    past damaged or refused files with a warning that names them. Also returns what
+    --allow-changes let differ ("" if nothing)."""
     found = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"), reverse=True)
     if config.resume == "never":
         if found:
             raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
-                             "pass another --run-dir to start afresh, or --resume auto to continue")
-        return None
+                             "pass another --run-name to start afresh, or --resume auto to continue")
+        return None, ""
     candidates = found if config.resume == "auto" else [Path(config.resume)]
     for path in candidates:
         try:
@@ -684,19 +871,26 @@ def find_checkpoint(config: Config, run_dir: Path) -> Path | None:
             print(f"warning: skipping checkpoint {path}: {reason[:200]}", file=sys.stderr, flush=True)
             continue
         differences = checkpoint_differences(ckpt, config)
-        if differences:
-            raise UsageError(f"checkpoint {path} is from a different configuration ({'; '.join(differences)}); "
-                             "resume with the same options, or pass another --run-dir to start afresh")
-        return path
-    return None
+        fixed = [text for k, text in differences.items() if k not in CHANGEABLE]
+        if fixed or (differences and not config.allow_changes):
+            allowed = ", ".join("--" + k.replace("_", "-") for k in CHANGEABLE)
+            raise UsageError(f"checkpoint {path} is from a different configuration ({'; '.join(differences.values())}); "
+                             "resume with the same options, or pass another --run-name to start afresh"
+                             + ("" if fixed else f", or add --allow-changes to carry on with new {allowed}"))
+        return path, "; ".join(differences.values())
+    return None, ""
 
 
-def resume_from(path: Path, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
+def resume_from(path: Path, config: Config, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
                 steps_per_epoch: int) -> tuple[Progress, torch.Tensor]:
     """Load a checkpoint rank 0 chose; returns where to go on and this rank's loss sums."""
-    ckpt = read_checkpoint(path, rt.device)
+    # Read onto the CPU: load_state_dict places each tensor beside its parameter, except
+    # AdamW's step counts, which must stay on the CPU or every step syncs with the GPU.
+    ckpt = read_checkpoint(path, "cpu")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
+    for group in optimizer.param_groups:
+        group["weight_decay"] = config.weight_decay  # the saved value, unless --allow-changes changed it
     progress = Progress(**ckpt["progress"])
     loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
     if ckpt["world_size"] == rt.world_size:
@@ -716,24 +910,6 @@ def resume_from(path: Path, rt: Runtime, model: nn.Module, optimizer: torch.opti
 
 # ----------------------------------------------------------------------------- preemption
 
-class StopSignals:
-    """SIGUSR1 (Slurm's --signal) and SIGTERM (preemption, time limit, torchrun) only set a
-    flag here; the training loop acts on it at the next step boundary, where every rank
-    agrees, rank 0 saves and the job requeues itself. Saving inside a handler could
-    interrupt a half-written file or a collective."""
-
-    def __init__(self):
-        self.received = 0
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-
-    def handle(self, signum, frame) -> None:
-        self.received = signum
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
 def agree_on_stopping(stop: StopSignals, loss: torch.Tensor, rt: Runtime) -> tuple[bool, bool]:
     """(some rank got a stop signal, some rank's loss is not finite): one small all-reduce."""
     flags = torch.stack([torch.tensor(float(stop.received > 0), device=rt.device),
@@ -742,28 +918,57 @@ def agree_on_stopping(stop: StopSignals, loss: torch.Tensor, rt: Runtime) -> tup
     return stopping > 0, diverged > 0
 
 
+SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
+
+
 def requeue_slurm_job(launch: Launch) -> bool:
-    """Ask Slurm to requeue this job, if it may; the job's processes die with this call."""
+    """Ask Slurm to requeue this job, if it may; the job's processes die with this call.
+    Any failure (no scontrol, a timeout, a refusal) means 'not requeued', never a crash."""
     if not launch.job_id or shutil.which("scontrol") is None:
         return False
-    shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True, timeout=60)
-    if "Requeue=1" not in shown.stdout:
-        print(f"Slurm job {launch.job_id} may not be requeued (sbatch --requeue); resubmit it to continue", flush=True)
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True,
+                               timeout=SCONTROL_TIMEOUT)
+        if "Requeue=1" not in shown.stdout:
+            print(f"Slurm job {launch.job_id} may not be requeued (it was submitted without --requeue)", flush=True)
+            return False
+        print(f"requeueing Slurm job {launch.job_id}; it resumes from its last checkpoint", flush=True)
+        result = subprocess.run(["scontrol", "requeue", launch.job_id], capture_output=True, text=True,
+                                timeout=SCONTROL_TIMEOUT)
+    except (OSError, subprocess.SubprocessError) as err:
+        print(f"could not requeue Slurm job {launch.job_id} (scontrol: {err})", flush=True)
         return False
-    print(f"requeueing Slurm job {launch.job_id}; it resumes from its last checkpoint", flush=True)
-    result = subprocess.run(["scontrol", "requeue", launch.job_id], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
-        print(f"scontrol requeue failed: {result.stderr.strip()}; resubmit the job to continue", flush=True)
+        print(f"could not requeue Slurm job {launch.job_id} (scontrol requeue: {result.stderr.strip()})", flush=True)
     return result.returncode == 0
+
+
+def continue_command(argv: list[str], launch: Launch, run_dir: Path, log_dir: str, **changes: str) -> str:
+    """The command that carries this run on from its newest checkpoint: the same options,
+    naming the run's directory, with `changes` ({"lr": "0.001"}) replacing options."""
+    args = list(argv)
+    for name, value in changes.items():
+        flag = "--" + name.replace("_", "-")
+        args = [a for i, a in enumerate(args) if not (a == flag or a.startswith(flag + "=") or (i and args[i - 1] == flag))]
+        args += [flag] if value == "" else [flag, value]
+    if not any(a.split("=")[0] in ("--run-name", "--run-dir") for a in args):
+        args += ["--run-name", run_dir.name] if run_dir.parent == Path(log_dir) else ["--run-dir", str(run_dir)]
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else PROG
+    launcher = {"single": "python", "torchrun": "torchrun [the same torchrun options]",
+                "slurm": "srun [the same srun options] python"}[launch.source]
+    return f"{launcher} {shlex.join([script, *args])}"
 
 
 # ----------------------------------------------------------------------------- logging
 
 def choose_run_dir(config: Config, launch: Launch) -> Path:
-    """One directory per run: the Slurm job id when there is one (a requeued job finds its
-    own directory again), else a timestamp chosen on rank 0 and shared with the others."""
+    """One directory per run: LOG_DIR/RUN_NAME; without a name, the Slurm job id when there
+    is one (a requeued job finds its own directory again), else a timestamp chosen on rank
+    0 and shared with the others."""
     if config.run_dir:
         return Path(config.run_dir)
+    if config.run_name:
+        return Path(config.log_dir, config.run_name)
     if launch.job_id:
         return Path(config.log_dir, f"job-{launch.job_id}")
     name = ""
@@ -798,12 +1003,18 @@ def gpu_figures(device: torch.device) -> dict:
     return figures
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (Slurm's binding, cgroups, taskset), not the node's count."""
+    return len(os.sched_getaffinity(0))
+
+
 def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
     env = {
         "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
         "launcher": launch.source, "world_size": rt.world_size, "backend": rt.backend, "device": str(rt.device),
         "hosts": sorted(set(hosts)), "master": f"{launch.master_addr}:{launch.master_port}" if rt.world_size > 1 else "",
-        "slurm_job_id": launch.job_id, "cpu_threads_per_rank": torch.get_num_threads(),
+        "slurm_job_id": launch.job_id, "cpu_threads_per_rank": torch.get_num_threads(), "cpus_rank_0": usable_cpus(),
+        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""), "gpus_granted": launch.gpus_granted,
     }
     if rt.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(rt.device)
@@ -816,7 +1027,7 @@ def labelled_grid(images: torch.Tensor, pred: torch.Tensor, true: torch.Tensor, 
     rows = max(1, math.ceil(len(images) / per_row))
     sheet = Image.new("RGB", (per_row * cell, rows * (cell + caption)), "white")
     draw = ImageDraw.Draw(sheet)
-    for i, (image, p, t) in enumerate(zip(images, pred.tolist(), true.tolist())):
+    for i, (image, p, t) in enumerate(zip(images, pred.tolist(), true.tolist(), strict=True)):
         x, y = (i % per_row) * cell, (i // per_row) * (cell + caption)
         sheet.paste(Image.fromarray(image.numpy()).resize((cell, cell)), (x, y))
         draw.text((x + 4, y + cell + 1), f"{p}/{t}", fill=(0, 140, 0) if p == t else (220, 0, 0))
@@ -848,9 +1059,12 @@ def markdown_table(d: dict) -> str:
 class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, config: Config, environment: dict, resumed_step: int | None):
+    def __init__(self, run_dir: Path, config: Config, environment: dict, resumed_step: int | None, note: str = ""):
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "exit-code").unlink(missing_ok=True)  # written again when this attempt ends
         self.run_dir = run_dir
+        self.log_every, self.progress_every = config.log_every, config.progress_every
+        self.last_progress = time.monotonic()
         metrics_path = run_dir / "metrics.jsonl"
         if resumed_step is not None and metrics_path.exists():
             # A resumed run repeats what came after its checkpoint: drop those lines, and
@@ -862,15 +1076,25 @@ class RunLogger:
         self.show_progress = sys.stdout.isatty()
         self.writer.add_text("config", markdown_table(dataclasses.asdict(config)))
         self.writer.add_text("environment", markdown_table(environment))
+        if note:
+            self.writer.add_text("log", note, resumed_step or 0)
+            print(note, flush=True)
         self.writer.flush()
         print(f"config: {json.dumps(dataclasses.asdict(config))}")
         print(f"environment: {json.dumps(environment)}")
         print(f"TensorBoard logs: {run_dir}  (view: tensorboard --logdir {run_dir.parent})", flush=True)
 
     def step(self, step: int, loss: torch.Tensor, epoch: int, step_in_epoch: int, steps_per_epoch: int) -> None:
-        self.writer.add_scalar("train/batch_loss", loss.item(), step)
-        if self.show_progress:
-            print(f"\repoch {epoch} step {step_in_epoch}/{steps_per_epoch} loss {loss.item():.4f}", end="", flush=True)
+        """Called every step; reads the loss (a device sync) only when something is due."""
+        if step % self.log_every == 0:
+            self.writer.add_scalar("train/batch_loss", loss.item(), step)
+            if self.show_progress:
+                print(f"\repoch {epoch} step {step_in_epoch}/{steps_per_epoch} loss {loss.item():.4f}", end="", flush=True)
+        if not self.show_progress and self.progress_every and time.monotonic() - self.last_progress >= self.progress_every:
+            # In a batch job's output file, so that a long epoch does not look like a hang.
+            self.last_progress = time.monotonic()
+            print(f"epoch {epoch} step {step_in_epoch}/{steps_per_epoch} (step {step} in all) batch loss {loss.item():.4f}",
+                  flush=True)
 
     def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None:
         if self.show_progress:
@@ -906,11 +1130,12 @@ class RunLogger:
             self.writer.file_writer.add_summary(summary)
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
-        self.close()
 
-    def close(self) -> None:
+    def close(self, exit_code: int | None = None) -> None:
         self.writer.close()
         self.metrics.close()
+        if exit_code is not None:  # for the batch file and for whoever reads the run directory
+            (self.run_dir / "exit-code").write_text(f"{exit_code}\n")
 
 
 class NullLogger:
@@ -919,42 +1144,64 @@ class NullLogger:
     def step(self, *args) -> None: ...
     def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None: ...
     def finish(self, config: Config, final: dict, step: int) -> None: ...
-    def close(self) -> None: ...
+    def close(self, exit_code: int | None = None) -> None: ...
 
 
 # ----------------------------------------------------------------------------- main
 
-def fail(err: Exception, code: int = EXIT_USAGE) -> int:
-    print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+def fail(err: Exception | str, code: int = EXIT_USAGE, who: str = "") -> int:
+    print(f"{PROG}{who}: error: {err}", file=sys.stderr, flush=True)
     return code
 
 
+def build_training(config: Config, rt: Runtime) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """(the model to train, wrapped in DDP and compiled as asked; the plain model, for
+    evaluation and checkpoints; its AdamW)."""
+    torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    raw_model = build_model(config).to(rt.device)
+    if config.channels_last:
+        raw_model = raw_model.to(memory_format=torch.channels_last)
+    model = raw_model
+    if rt.world_size > 1:
+        model = DistributedDataParallel(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    if config.compile:
+        model = torch.compile(model)
+    torch.manual_seed(config.seed + rt.rank)  # dropout differs per rank, as its data does
+    return model, raw_model, torch.optim.AdamW(raw_model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+def agree_on_checkpoint(config: Config, rt: Runtime, run_dir: Path) -> tuple[str, str]:
+    """Rank 0 picks the checkpoint (or the error) and tells every rank: (path or "", what
+    --allow-changes let differ)."""
+    choice = ["", "", ""]
+    if rt.is_main:
+        try:
+            path, changed = find_checkpoint(config, run_dir)
+            choice = [str(path or ""), changed, ""]
+        except UsageError as err:
+            choice = ["", "", str(err)]
+    path, changed, error = broadcast_from_main(choice)
+    if error:
+        raise UsageError(error if rt.is_main else "rank 0 cannot resume; see its error")
+    return path, changed
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    stop, who = EARLY_STOP or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
+    logger, code = NullLogger(), 1
     try:
         config = parse_config(argv)
         launch = read_launch_env(os.environ)
+        who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
         rt = init_distributed(config, launch)
-    except UsageError as err:
-        return fail(err)
-    logger, stop = NullLogger(), StopSignals()
-    try:
         train_set, test_set = prepare_data(config, rt)
         if config.download_only:
-            print(f"[rank {rt.rank}] {config.dataset} is ready in {config.data_dir}")
-            return 0
+            print(f"[rank {rt.rank}] {config.dataset} is ready in {node_data_dir(config) or config.data_dir}")
+            code = 0
+            return code
         run_dir = choose_run_dir(config, launch)
-
-        torch.manual_seed(config.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        raw_model = build_model(config).to(rt.device)
-        if config.channels_last:
-            raw_model = raw_model.to(memory_format=torch.channels_last)
-        model = raw_model
-        if rt.world_size > 1:
-            model = DistributedDataParallel(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-        if config.compile:
-            model = torch.compile(model)  # evaluation and checkpoints keep using raw_model
-        torch.manual_seed(config.seed + rt.rank)  # dropout differs per rank, as its data does
-        optimizer = torch.optim.AdamW(raw_model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        model, raw_model, optimizer = build_training(config, rt)
 
         per_rank = len(train_set.labels) // rt.world_size
         steps_per_epoch = math.ceil(per_rank / config.batch_size)
@@ -962,26 +1209,29 @@ def main(argv: list[str] | None = None) -> int:
         if config.max_steps:
             total_steps = min(total_steps, config.max_steps)
 
-        # Rank 0 picks the checkpoint (or the error); every rank then loads that file.
-        choice = ["", ""]
-        if rt.is_main:
-            try:
-                choice = [str(find_checkpoint(config, run_dir) or ""), ""]
-            except UsageError as err:
-                choice = ["", str(err)]
-        ckpt_path, error = broadcast_from_main(choice)
-        if error:
-            raise UsageError(error if rt.is_main else "rank 0 cannot resume; see its error")
+        ckpt_path, changed = agree_on_checkpoint(config, rt, run_dir)
         progress, loss_sum = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
-            progress, loss_sum = resume_from(Path(ckpt_path), rt, raw_model, optimizer, steps_per_epoch)
+            progress, loss_sum = resume_from(Path(ckpt_path), config, rt, raw_model, optimizer, steps_per_epoch)
+        if ckpt_path and (progress.epoch > config.epochs or progress.step >= total_steps):
+            if rt.is_main:
+                print(f"run {run_dir} is already complete (epoch {progress.epoch - 1}, step {progress.step}); "
+                      f"to train it longer: {continue_command(argv, launch, run_dir, config.log_dir, epochs=str(config.epochs + 4), allow_changes='')}",
+                      flush=True)
+            code = 0
+            return code
 
         hosts = gather_to_all(socket.gethostname())
         if rt.is_main:
+            note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
             logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts),
-                               resumed_step=progress.step if ckpt_path else None)
+                               resumed_step=progress.step if ckpt_path else None, note=note)
+        cpus, threads = usable_cpus(), torch.get_num_threads()
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
-              f"{per_rank} images, {steps_per_epoch} steps per epoch", flush=True)
+              f"{per_rank} images, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs", flush=True)
+        if threads > cpus:
+            print(f"warning{who}: {threads} threads share {cpus} CPUs, which slows every step; under Slurm export "
+                  "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (run_training.sbatch does), or set OMP_NUM_THREADS", flush=True)
         if rt.is_main:
             print(f"global batch {config.batch_size * rt.world_size} ({rt.world_size} x {config.batch_size}), "
                   f"{total_steps} steps in all", flush=True)
@@ -990,7 +1240,11 @@ def main(argv: list[str] | None = None) -> int:
         interrupt_step, interrupt_signal = (config.interrupt_at.split(":") + [""])[:2]
 
         def checkpoint() -> Path:
-            return save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum)
+            sync_buffers(raw_model)
+            try:
+                return save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum)
+            except Diverged as err:
+                raise diverged(str(err)) from None
 
         def stop_here(path: Path) -> int:
             if rt.is_main:
@@ -998,11 +1252,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stopping on {why} at step {progress.step}: saved {path}", flush=True)
             if dist.is_initialized():
                 dist.barrier()  # the checkpoint is complete before anyone can be killed
-            if rt.is_main:
-                requeue_slurm_job(launch)  # when it succeeds, Slurm ends every process here
+            if rt.is_main and not requeue_slurm_job(launch):  # when it succeeds, Slurm ends every process here
+                print(f"to continue: {continue_command(argv, launch, run_dir, config.log_dir)}", flush=True)
             if dist.is_initialized():
                 dist.barrier()
             return EXIT_STOPPED
+
+        def diverged(what: str) -> Diverged:
+            lower = continue_command(argv, launch, run_dir, config.log_dir, lr=f"{config.lr / 3:.3g}", allow_changes="")
+            return Diverged(f"{what} at step {progress.step} (epoch {progress.epoch}); nothing from this step on was "
+                            f"saved. Resume from the last checkpoint with a lower learning rate: {lower}")
 
         while progress.epoch <= config.epochs and progress.step < total_steps:
             started = time.perf_counter()
@@ -1018,22 +1277,22 @@ def main(argv: list[str] | None = None) -> int:
                 progress.step, progress.step_in_epoch = progress.step + 1, k + 1
                 if rt.is_main and interrupt_step and progress.step == int(interrupt_step):
                     os.kill(os.getpid(), getattr(signal, f"SIG{interrupt_signal}"))
-                stopping, diverged = agree_on_stopping(stop, loss, rt)
-                if diverged:  # before any checkpoint could take the bad weights
-                    raise Diverged(f"the loss became {loss.item()} at step {progress.step} (epoch {progress.epoch}); "
-                                   "lower --lr and resume from the last checkpoint (it predates this step)")
-                if progress.step % config.log_every == 0:
-                    logger.step(progress.step, loss, progress.epoch, k + 1, steps_per_epoch)
+                stopping, is_diverged = agree_on_stopping(stop, loss, rt)
+                if is_diverged:  # before any checkpoint could take the bad weights
+                    raise diverged(f"the loss became {loss.item()}")
+                logger.step(progress.step, loss, progress.epoch, k + 1, steps_per_epoch)
                 if stopping or (config.ckpt_every and progress.step % config.ckpt_every == 0):
                     path = checkpoint()
                     if stopping:
-                        return stop_here(path)
+                        code = stop_here(path)
+                        return code
                 if progress.step >= total_steps:
                     break
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             train_seconds = time.perf_counter() - started
             train_loss_sum, images = all_reduce(loss_sum.clone()).tolist()
+            sync_buffers(raw_model)
             evaluation = evaluate(raw_model, test_set, config, rt)
             progress.last_record = {
                 "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
@@ -1046,21 +1305,25 @@ def main(argv: list[str] | None = None) -> int:
             loss_sum.zero_()
             path = checkpoint()
             if agree_on_stopping(stop, torch.zeros((), device=rt.device), rt)[0]:  # a signal during evaluation
-                return stop_here(path)
+                code = stop_here(path)
+                return code
 
         record = progress.last_record
         if rt.is_main:
             save_atomic(raw_model.state_dict(), run_dir / "model.pt")
             print(f"saved {run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%", flush=True)
         logger.finish(config, {k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
-        return 0
+        code = 0
+        return code
     except UsageError as err:
-        return fail(err)
+        code = fail(err, who=who)
+        return code
     except Diverged as err:
-        return fail(err, EXIT_DIVERGED)
+        code = fail(err, EXIT_DIVERGED, who)
+        return code
     finally:
         stop.restore()
-        logger.close()
+        logger.close(code)
         teardown_distributed()
 
 

@@ -63,7 +63,7 @@ def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, j
     if detach:
         return procs
     results = []
-    for rank, proc in enumerate(procs):
+    for proc in procs:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

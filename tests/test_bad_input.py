@@ -94,6 +94,58 @@ def test_help_lists_defaults(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--batch-size BATCH_SIZE" in out and "(default: 128)" in out and "--data-mirror" in out
+    assert "(default: )" not in out  # empty defaults are left out
+    assert "Exit codes" in out and "  75  stopped by SIGUSR1/SIGTERM" in out and "How to launch" in out
+
+
+NVIDIA_SMI = """#!/bin/sh
+echo '| NVIDIA-SMI 535.104.05             Driver Version: 535.104.05   CUDA Version: 12.2     |'
+"""
+
+
+def test_gpus_given_that_torch_cannot_use_stop_the_run(tmp_path):
+    """A job given a GPU (CUDA_VISIBLE_DEVICES=0) on a machine where torch sees none, as
+    with a CUDA build newer than the driver: exit 2 with the versions and the pip line,
+    not a quiet CPU run. The node's nvidia-smi is played by a script printing its header."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text(NVIDIA_SMI)
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    path = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    result = run_single(["--max-steps", "2"], cwd=tmp_path, CUDA_VISIBLE_DEVICES="0", PATH=path)
+    assert result.returncode == 2, result.stdout[-2000:]
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("mnist_ddp.py: error: this job was given GPUs (CUDA_VISIBLE_DEVICES=0) ")
+    assert f"torch {torch.__version__} is built for CUDA {torch.version.cuda}" in line
+    assert "the node's driver 535.104.05 runs CUDA up to 12.2" in line
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu121" in line
+    forced = run_single(["--device", "cpu", "--epochs", "1", "--max-steps", "2"], cwd=tmp_path,
+                        CUDA_VISIBLE_DEVICES="0", PATH=path)
+    assert forced.returncode == 0, forced.stderr[-2000:]
+
+
+def run_with_read_only(directory, args, cwd):
+    """mnist_ddp.py with `directory` bind-mounted read-only over itself, in a mount
+    namespace of its own (as root, permissions alone would not stop a write)."""
+    script = (f'mount --bind {directory} {directory} && mount -o remount,bind,ro {directory} && '
+              f'! touch {directory}/probe 2>/dev/null && exec "$@"')
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                           sys.executable, str(ROOT / "mnist_ddp.py"), *args],
+                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_read_only_data_dir_that_holds_the_data_is_used(tmp_path):
+    """A data directory staged by someone else and mounted read-only is read, not refused
+    because its lock file cannot be opened; an empty read-only one is refused in one line."""
+    assert run_single(["--download-only"], cwd=tmp_path).returncode == 0
+    result = run_with_read_only(tmp_path / "data", ["--epochs", "1", "--max-steps", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "staged" not in result.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = run_with_read_only(empty, ["--data-dir", str(empty)], tmp_path)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("(Read-only file system) and it does not hold MNISTSample yet; "
+                                           "pass a writable --data-dir, or stage the data into it elsewhere first")
 
 
 def test_exit_code_through_the_command_line(tmp_path):

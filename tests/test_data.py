@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import SAMPLE, assert_ok, clean_env, free_port, read_metrics, run_as_srun
+from conftest import SAMPLE, assert_ok, clean_env, free_port, read_metrics, run_as_srun, run_single
 
 FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
 # torchvision sends two GETs per file: one that follows redirects, one for the data.
@@ -131,3 +131,20 @@ def test_corrupt_download_is_refused(workdir, sample_files, checksums):
     assert results[0].returncode == 2
     assert "cannot download MNIST into data/MNIST/raw" in results[0].stderr
     assert not (workdir / "data" / "MNIST" / "raw").exists()
+
+
+def test_node_local_data_dir_is_expanded_on_the_node(workdir):
+    """--node-data-dir '$MY_SCRATCH/data' is expanded by the process itself (on the compute
+    node, not at submission); the first rank of the node copies the staged data there from
+    --data-dir and reads that copy. An unset variable is one line and exit code 2."""
+    scratch = workdir / "scratch"
+    args = ["--epochs", "1", "--max-steps", "2", "--node-data-dir", "$MY_SCRATCH/data", "--run-dir", "runs/local"]
+    result = run_single(args, cwd=workdir, MY_SCRATCH=str(scratch))
+    assert_ok(result)
+    assert f"[rank 0] copied MNISTSample to {scratch}/data on " in result.stdout
+    local_raw, shared_raw = scratch / "data" / "MNISTSample" / "raw", workdir / "data" / "MNISTSample" / "raw"
+    assert sorted(p.name for p in local_raw.iterdir()) == sorted(p.name for p in shared_raw.iterdir())
+    assert (local_raw / "t10k-labels-idx1-ubyte").read_bytes() == (shared_raw / "t10k-labels-idx1-ubyte").read_bytes()
+    unset = run_single(args, cwd=workdir)
+    assert unset.returncode == 2
+    assert "--node-data-dir $MY_SCRATCH/data: $MY_SCRATCH/data names a variable that is not set on " in unset.stderr

@@ -10,7 +10,6 @@ metrics.jsonl carry on without doubled steps.
 """
 
 import os
-import pickle
 import signal
 import subprocess
 import time
@@ -98,7 +97,7 @@ def test_bad_newest_checkpoint_falls_back(workdir, uninterrupted, kind):
     second = run_as_srun(2, [*ARGS, "--run-dir", "run"], cwd=workdir, job_id="")
     for result in second:
         assert_ok(result)
-    assert f"warning: skipping checkpoint run/checkpoints/ckpt-00000020.pt" in second[0].stderr
+    assert "warning: skipping checkpoint run/checkpoints/ckpt-00000020.pt" in second[0].stderr
     assert "resumed from run/checkpoints/ckpt-00000013.pt" in second[0].stdout
     assert not marker.exists(), "the planted pickle ran its payload"
     assert_same_run(workdir / "run", uninterrupted)
@@ -163,7 +162,9 @@ def test_diverging_loss_stops_before_bad_weights_are_saved(workdir):
     results = run_as_srun(2, ["--lr", "1e5", "--epochs", "1", "--ckpt-every", "1", "--run-dir", "run"], cwd=workdir, job_id="")
     for result in results:
         assert result.returncode == EXIT_DIVERGED, result.stderr[-2000:]
-    assert "mnist_ddp.py: error: the " in results[0].stderr and "lower --lr" in results[0].stderr
+    assert "mnist_ddp.py [rank 0/2 on " in results[0].stderr and "]: error: the loss became " in results[0].stderr
+    assert "with a lower learning rate: srun [the same srun options] python " in results[0].stderr
+    assert "--lr 3.33e+04 --allow-changes" in results[0].stderr
     saved = sorted((workdir / "run" / "checkpoints").glob("ckpt-*.pt"))
     assert saved
     for path in saved:

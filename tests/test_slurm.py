@@ -13,7 +13,6 @@ runs). A missing Slurm fails these tests; it does not skip them.
 import gzip
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import mnist_ddp
 from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single, run_torchrun
 
 SHORT = ["--epochs", "1", "--max-steps", "6", "--dropout", "0"]
@@ -81,7 +82,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(workdir):
     assert ddp.keys() == one.keys()
     for name in ddp:
         # Only the order of float additions differs (gradient all-reduce vs one big batch).
-        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_seeded_runs_are_bit_identical(workdir):
@@ -123,3 +124,31 @@ def test_gpu_speed_options_do_not_break_cpu_runs(workdir, options):
     params = load_params(workdir / "runs" / "fast")
     assert all(torch.isfinite(v).all() for v in params.values())
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in params)  # the unwrapped model's names
+
+
+def test_batchnorm_ranks_evaluate_rank_0s_model(workdir):
+    """resnet18 has BatchNorm: each rank's running statistics drift apart during training.
+    The exact evaluation of 2 ranks must equal rank 0's saved model scored alone on the
+    whole test set, which holds only if every rank evaluates with rank 0's buffers."""
+    args = ["--model", "resnet18", "--epochs", "1", "--max-steps", "3", "--batch-size", "8", "--image-every", "0"]
+    for result in run_as_srun(2, [*args, "--run-dir", "runs/bn"], cwd=workdir, job_id=""):
+        assert_ok(result)
+    two_ranks = read_metrics(workdir / "runs" / "bn")[0]
+    config = mnist_ddp.Config(model="resnet18")
+    model = mnist_ddp.build_model(config)
+    model.load_state_dict(load_params(workdir / "runs" / "bn"))
+    rt = mnist_ddp.Runtime(0, 0, 1, torch.device("cpu"), "none", True)
+    test_set = mnist_ddp.load_split(mnist_ddp.MNISTSample, workdir / "data", False, rt.device)
+    alone = mnist_ddp.evaluate(model, test_set, config, rt)
+    assert alone.count == two_ranks["test_images"] == 1000
+    assert alone.accuracy == two_ranks["test_accuracy"]
+    assert alone.loss == pytest.approx(two_ranks["test_loss"], rel=1e-5)
+
+
+def test_batch_jobs_print_progress_lines(workdir):
+    """Output that is not a terminal gets a progress line every --progress-every seconds."""
+    result = run_single(["--epochs", "1", "--max-steps", "12", "--progress-every", "0.001", "--run-dir", "runs/p"], cwd=workdir)
+    assert_ok(result)
+    assert "epoch 1 step 5/32 (step 5 in all) batch loss " in result.stdout
+    quiet = run_single(["--epochs", "1", "--max-steps", "12", "--progress-every", "0", "--run-dir", "runs/q"], cwd=workdir)
+    assert "(step 5 in all)" not in quiet.stdout

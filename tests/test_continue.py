@@ -1,0 +1,128 @@
+"""A run's name is its identity: the command that a stopped or diverged run prints is run
+verbatim and carries that run on; --allow-changes lets it train longer or with another
+learning rate; a finished run says so; a stop signal during start-up is kept, not fatal;
+a missing or hanging scontrol means "not requeued", not a crash.
+
+    python -m pytest tests/test_continue.py
+"""
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import mnist_ddp
+from conftest import SCRIPT, assert_ok, clean_env, read_metrics, run_as_srun, run_single
+from mnist_ddp import EXIT_DIVERGED, EXIT_STOPPED, Launch, read_checkpoint, requeue_slurm_job
+
+FAST = ["--epochs", "2", "--batch-size", "256"]  # 16 steps per epoch on the sample
+
+
+def printed_command(text: str, after: str) -> list[str]:
+    """The command printed after `after`, as a list, with `python` made this interpreter."""
+    line = text[text.index(after) + len(after):].splitlines()[0].strip()
+    argv = shlex.split(line)
+    assert argv[0] == "python" and argv[1] == str(SCRIPT), line
+    return [sys.executable, *argv[1:]]
+
+
+def test_stopped_run_prints_the_command_that_continues_it(workdir):
+    first = run_single([*FAST, "--interrupt-at", "5:USR1"], cwd=workdir)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    command = printed_command(first.stdout, "to continue: ")
+    run_dir = next((workdir / "runs").iterdir())
+    assert command[-2:] == ["--run-name", run_dir.name]  # the timestamped run, named
+    again = subprocess.run(command, cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(again)
+    assert f"resumed from runs/{run_dir.name}/checkpoints/ckpt-00000005.pt: epoch 1, step 5" in again.stdout
+    assert len(list((workdir / "runs").iterdir())) == 1  # no second run directory
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
+    assert (run_dir / "exit-code").read_text() == "0\n"
+
+
+def test_same_run_name_continues_and_a_finished_run_says_so(workdir):
+    stopped = run_single([*FAST, "--run-name", "mine", "--interrupt-at", "20:TERM"], cwd=workdir)
+    assert stopped.returncode == EXIT_STOPPED and (workdir / "runs" / "mine" / "exit-code").read_text() == "75\n"
+    assert_ok(run_single([*FAST, "--run-name", "mine"], cwd=workdir))
+    done = run_single([*FAST, "--run-name", "mine"], cwd=workdir)
+    assert_ok(done)
+    assert "runs/mine is already complete (epoch 2, step 32); to train it longer: python " in done.stdout
+    # ... and that printed command really trains it longer.
+    longer = printed_command(done.stdout, "to train it longer: ")
+    assert longer[-3:] == ["--epochs", "6", "--allow-changes"]
+    result = subprocess.run(longer, cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert_ok(result)
+    assert "resumed with changed options (--allow-changes): --epochs 2 there, 6 here" in result.stdout
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "mine")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_changes_are_refused_unless_allowed_and_never_for_the_model(workdir):
+    assert run_single([*FAST, "--run-name", "r", "--interrupt-at", "3:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    refused = run_single([*FAST, "--run-name", "r", "--lr", "1e-3"], cwd=workdir)
+    assert refused.returncode == 2
+    assert "(--lr 0.003 there, 0.001 here)" in refused.stderr and "add --allow-changes to carry on" in refused.stderr
+    model = run_single([*FAST, "--run-name", "r", "--model", "mlp", "--allow-changes"], cwd=workdir)
+    assert model.returncode == 2 and "--model cnn there, mlp here" in model.stderr
+    assert "--allow-changes to carry on" not in model.stderr
+    allowed = run_single([*FAST, "--run-name", "r", "--lr", "1e-3", "--weight-decay", "0", "--allow-changes"], cwd=workdir)
+    assert_ok(allowed)
+    ckpt = read_checkpoint(sorted((workdir / "runs" / "r" / "checkpoints").glob("ckpt-*.pt"))[-1], "cpu")
+    assert ckpt["optimizer"]["param_groups"][0]["weight_decay"] == 0  # the new value, not the saved one
+    assert ckpt["config"]["lr"] == 1e-3
+
+
+def test_divergence_advice_runs_as_printed(workdir):
+    """The loss diverges at --lr 1e5; the printed command resumes with a third of it and
+    --allow-changes. Here it diverges again, and says so again: the advice is a real command."""
+    result = run_single(["--lr", "1e5", "--epochs", "1", "--ckpt-every", "2", "--run-name", "hot"], cwd=workdir)
+    assert result.returncode == EXIT_DIVERGED
+    command = printed_command(result.stderr, "with a lower learning rate: ")
+    assert command[-3:] == ["--lr", "3.33e+04", "--allow-changes"]
+    again = subprocess.run(command, cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert "resumed with changed options (--allow-changes): --lr 100000.0 there, 33300.0 here" in again.stdout
+    assert re.search(r"resumed from runs/hot/checkpoints/ckpt-\d+\.pt", again.stdout)
+
+
+def test_signal_during_start_up_is_kept(workdir):
+    """Rank 0 is signalled while it waits for rank 1 (or still imports torch): it must not
+    die, and both ranks stop at their first step boundary with a checkpoint."""
+    procs = run_as_srun(2, [*FAST, "--run-dir", "run"], cwd=workdir, job_id="", detach=True)
+    first, second = procs
+    time.sleep(2.0)
+    first.send_signal(signal.SIGUSR1)
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], results[0][1][-2000:]
+    assert "stopping on SIGUSR1 at step 1: saved run/checkpoints/ckpt-00000001.pt" in results[0][0]
+
+
+def fake_scontrol(directory: Path, body: str) -> dict[str, str]:
+    directory.mkdir()
+    path = directory / "scontrol"
+    path.write_text(body)
+    path.chmod(0o755)
+    return {"PATH": str(directory)}  # alone, so that no real scontrol stands behind it
+
+
+@pytest.mark.parametrize("body", ["#!/nonexistent/interpreter\n", "#!/bin/sh\nexec /bin/sleep 30\n"], ids=["broken", "hangs"])
+def test_scontrol_failure_means_not_requeued(tmp_path, monkeypatch, capsys, body):
+    for name, value in fake_scontrol(tmp_path / "bin", body).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(mnist_ddp, "SCONTROL_TIMEOUT", 1.0)
+    launch = Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "77", 1)
+    assert requeue_slurm_job(launch) is False
+    assert "could not requeue Slurm job 77 (scontrol: " in capsys.readouterr().out
+
+
+def test_stop_when_scontrol_cannot_reach_slurm_still_exits_75(workdir):
+    """Ranks that believe they are in Slurm job 99 with no controller to ask: the stop must
+    still end every rank with 75 and the command that continues, not a traceback on rank 0
+    while rank 1 waits at a barrier."""
+    procs = run_as_srun(2, [*FAST, "--run-dir", "run", "--interrupt-at", "4:USR1"], cwd=workdir, job_id="99", detach=True)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], outputs[0][1][-2000:]
+    assert "to continue: srun [the same srun options] python " in outputs[0][0]
