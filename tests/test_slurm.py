@@ -35,9 +35,11 @@ class Cluster:
         assert result.returncode == 0, f"cannot start a local Slurm cluster:\n{result.stdout}{result.stderr}"
 
     def sbatch(self, submit_dir: Path, options: list[str], args: list[str], **env: str) -> subprocess.Popen:
-        """Start `sbatch --wait` of the real batch file from submit_dir; returns the running client."""
+        """Start `sbatch --wait` of the real batch file from submit_dir; returns the running client.
+        The job runs the tests' interpreter unless env names another environment."""
         submit_dir.mkdir(parents=True, exist_ok=True)
         job_env = {**self.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable, **env}
+        job_env = {k: v for k, v in job_env.items() if v is not None}
         cmd = [str(LOCAL_SLURM), "exec", str(self.dir), "sbatch", "--wait", "--parsable", *options, str(SBATCH_FILE), *args]
         return subprocess.Popen(cmd, cwd=submit_dir, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -45,14 +47,27 @@ class Cluster:
         subprocess.run([str(LOCAL_SLURM), "stop", str(self.dir)], env=self.env, capture_output=True, timeout=120)
 
 
-def finish(client: subprocess.Popen, submit_dir: Path, timeout: float = 400) -> tuple[str, str]:
-    """Wait for `sbatch --wait`; return (job id, output file text) after checking exit 0."""
+def finish(client: subprocess.Popen, submit_dir: Path, timeout: float = 400, code: int = 0) -> tuple[str, str]:
+    """Wait for `sbatch --wait`; return (job id, output file text) after checking the exit code."""
     out, err = client.communicate(timeout=timeout)
     job_id = out.strip().split(";")[0]
     log = submit_dir / f"mnist-ddp-{job_id}.out"
     text = log.read_text() if log.exists() else "(no output file)"
-    assert client.returncode == 0, f"sbatch exit {client.returncode}\n{err}\n{text[-4000:]}"
+    assert client.returncode == code, f"sbatch exit {client.returncode}\n{err}\n{text[-4000:]}"
     return job_id, text
+
+
+def wait_for_epoch_1(client: subprocess.Popen, submit_dir: Path) -> str:
+    """Wait until a job's output shows its first epoch; returns the job id."""
+    deadline = time.monotonic() + 300
+    logs = []
+    while time.monotonic() < deadline and client.poll() is None:
+        logs = list(submit_dir.glob("mnist-ddp-*.out"))
+        if logs and re.search(r"^0: epoch   1 \|", logs[0].read_text(), re.M):
+            break
+        time.sleep(0.2)
+    assert logs, "the job wrote no output"
+    return logs[0].name.split("-")[-1].removesuffix(".out")
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +79,20 @@ def one_node(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
+    """Each node's own name resolves to 127.0.1.1 there, as on many real clusters: the batch
+    file must still find an address the other node reaches, and Gloo an interface."""
     cluster = Cluster(tmp_path_factory.mktemp("slurm2"), 2,
-                      clean_env(LOCAL_SLURM_PORT="16827", LOCAL_SLURM_PREFIX="mt", LOCAL_SLURM_SUBNET="10.231.9"))
+                      clean_env(LOCAL_SLURM_PORT="16827", LOCAL_SLURM_PREFIX="mt", LOCAL_SLURM_SUBNET="10.231.9",
+                                LOCAL_SLURM_SELF_LOOPBACK="1"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def bound_node(tmp_path_factory):
+    """One node with TaskPlugin=task/affinity: every task is bound to the CPUs it was given."""
+    cluster = Cluster(tmp_path_factory.mktemp("slurm-affinity"), 1,
+                      clean_env(LOCAL_SLURM_PORT="16837", LOCAL_SLURM_TASK_PLUGIN="task/affinity"))
     yield cluster
     cluster.stop()
 
@@ -73,9 +100,11 @@ def two_nodes(tmp_path_factory):
 def test_two_tasks_on_one_node(one_node, tmp_path):
     client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"], ["--batch-size", "64"])
     job_id, out = finish(client, tmp_path)
-    start = re.search(r"^START .* tasks=2 launcher=srun master=127\.0\.0\.1:(\d+) threads=1$", out, re.M)
+    start = re.search(r"^START .* tasks=2 launcher=srun master=127\.0\.0\.1:(\d+) threads=1 run=(\S+)$", out, re.M)
     assert start and int(start.group(1)) == 10000 + int(job_id) % 20000
-    assert "[rank 0/2]" in out and "[rank 1/2]" in out
+    assert start.group(2) == f"{tmp_path}/runs/job-{job_id}"
+    assert re.search(r"^0: \[rank 0/2\] ", out, re.M) and re.search(r"^1: \[rank 1/2\] ", out, re.M)  # srun --label
+    assert f"PREFLIGHT python={sys.executable} torch=" in out and "cpus_per_task=1 env=PYTHON=" in out
     assert f"job={job_id} exit=0" in out
     run_dir = tmp_path / "runs" / f"job-{job_id}"
     assert out.count("TensorBoard logs:") == 1 and len(list(run_dir.glob("events.out.tfevents.*"))) == 1
@@ -89,8 +118,9 @@ def test_two_nodes_one_task_each(two_nodes, tmp_path):
     job_id, out = finish(client, tmp_path)
     assert re.search(r"^START .* nodes=mtn\[1-2\] tasks=2", out, re.M), out[:500]
     assert "master=10.231.9.11:" in out
-    assert re.search(r"^\[rank 0/2\] mtn1 cpu gloo", out, re.M) and re.search(r"^\[rank 1/2\] mtn2 cpu gloo", out, re.M)
+    assert re.search(r"^0: \[rank 0/2\] mtn1 cpu gloo", out, re.M) and re.search(r"^1: \[rank 1/2\] mtn2 cpu gloo", out, re.M)
     assert '"hosts": ["mtn1", "mtn2"]' in out
+    assert '"gloo_socket_ifname": "eth0"' in out  # found per node from the route to the master
     assert read_metrics(tmp_path / "runs" / f"job-{job_id}")[0]["step"] == 10
 
 
@@ -99,6 +129,7 @@ def test_torchrun_mode_across_two_nodes(two_nodes, tmp_path):
                               ["--epochs", "1", "--max-steps", "10"], LAUNCHER="torchrun")
     job_id, out = finish(client, tmp_path)
     assert "launcher=torchrun" in out and '"launcher": "torchrun"' in out
+    assert "master=10.231.9.11:" in out
     assert '"hosts": ["mtn1", "mtn2"]' in out
     assert read_metrics(tmp_path / "runs" / f"job-{job_id}")[0]["test_images"] == 1000
 
@@ -130,21 +161,15 @@ def test_usr1_saves_requeues_and_resumes(cluster, launcher, request, tmp_path):
     options = ["--nodes=1", "--ntasks-per-node=2"] if cluster.nodes == 1 else ["--nodes=2", "--ntasks-per-node=1", "--mem=1G"]
     client = cluster.sbatch(tmp_path, [*options, "--cpus-per-task=1"], ["--batch-size", "64", "--ckpt-every", "10"],
                             LAUNCHER=launcher)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and client.poll() is None:
-        logs = list(tmp_path.glob("mnist-ddp-*.out"))
-        if logs and re.search(r"^epoch   1 \|", logs[0].read_text(), re.M):
-            break
-        time.sleep(0.2)
-    job_id = logs[0].name.split("-")[-1].removesuffix(".out")
+    job_id = wait_for_epoch_1(client, tmp_path)
     subprocess.run([str(LOCAL_SLURM), "exec", str(cluster.dir), "scancel", "--signal=USR1", job_id],
                    env=cluster.env, check=True, timeout=60)
     _, out = finish(client, tmp_path)
     assert re.search(rf"^START .* restart=0 .* launcher={launcher} ", out, re.M)
     assert re.search(r"^START .* restart=1 ", out, re.M)
-    assert re.search(r"^stopping on SIGUSR1 at step \d+: saved ", out, re.M)
+    assert re.search(r"^0: stopping on SIGUSR1 at step \d+: saved ", out, re.M)
     assert f"requeueing Slurm job {job_id}" in out
-    assert re.search(rf"^resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
+    assert re.search(rf"^0: resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
     metrics = read_metrics(tmp_path / "runs" / f"job-{job_id}")
     assert [m["epoch"] for m in metrics] == list(range(1, 9))
     assert metrics[-1]["test_accuracy"] >= 0.95
@@ -153,7 +178,7 @@ def test_usr1_saves_requeues_and_resumes(cluster, launcher, request, tmp_path):
 def test_guard_outside_slurm(tmp_path):
     result = subprocess.run(["bash", str(SBATCH_FILE)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True)
     assert result.returncode == 2
-    assert "not inside a Slurm job. Submit it: sbatch run_training.sbatch" in result.stderr
+    assert "run_training.sbatch: error: not inside a Slurm job. Submit it: sbatch run_training.sbatch" in result.stderr
 
 
 def test_printed_torchrun_commands_run(tmp_path):
@@ -169,6 +194,104 @@ def test_printed_torchrun_commands_run(tmp_path):
     outputs = [m.communicate(timeout=300)[0] for m in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs
     assert read_metrics(tmp_path / "runs" / "helper")[0]["step"] == 4
+
+
+def test_resubmitting_with_the_printed_line_continues_the_run(one_node, tmp_path):
+    """A job that may not requeue itself stops on USR1 with exit 75; its END line prints the
+    sbatch line that continues it. That line, run verbatim, resumes the same run."""
+    client = one_node.sbatch(tmp_path, ["--no-requeue", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                             ["--batch-size", "64", "--epochs", "3"], RUN_NAME="my-run")
+    job_id = wait_for_epoch_1(client, tmp_path)
+    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
+                   env=one_node.env, check=True, timeout=60)
+    _, out = finish(client, tmp_path, code=75)
+    assert f"Slurm job {job_id} may not be requeued" in out and f"job={job_id} exit=75" in out
+    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (RUN_NAME=my-run sbatch .*)$", out, re.M)
+    assert line and line.group(1) == str(tmp_path), out[-3000:]
+    assert f" {SBATCH_FILE} --batch-size 64 --epochs 3" in line.group(2)  # the original file, not Slurm's copy
+    # Verbatim, through a shell, in the submit directory it names (`--wait` only makes the test wait).
+    command = line.group(2).replace(" sbatch ", " sbatch --wait ", 1)
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "bash", "-c", command], cwd=line.group(1),
+                           env={**one_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable},
+                           capture_output=True, text=True, timeout=400)
+    second = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
+    text = (tmp_path / f"mnist-ddp-{second}.out").read_text()
+    assert again.returncode == 0, text[-3000:]
+    assert re.search(rf"^0: resumed from {tmp_path}/runs/my-run/checkpoints/ckpt-\d+\.pt: epoch [12],", text, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "my-run")] == [1, 2, 3]
+
+
+def test_conda_env_and_setup_file(one_node, tmp_path):
+    """A conda environment (a prefix with bin/python and conda-meta/, no bin/activate),
+    named by CONDA_ENV, after the site's setup file; the PREFLIGHT line says which ran."""
+    env_dir = tmp_path / "conda-env"
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "conda-meta").mkdir()
+    (env_dir / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (env_dir / "bin" / "python").chmod(0o755)
+    (env_dir / "bin" / "python3").symlink_to("python")
+    setup = tmp_path / "cluster-env.sh"
+    setup.write_text("# stands for: module load python\nexport SITE_MODULES_LOADED=yes\n")
+    client = one_node.sbatch(tmp_path, ["--ntasks-per-node=1", "--cpus-per-task=1"], ["--epochs", "1", "--max-steps", "2"],
+                             PYTHON=None, CONDA_ENV=str(env_dir), SHARED_DIR=str(tmp_path))
+    _, out = finish(client, tmp_path)
+    assert f"env=CONDA_ENV={env_dir}, after sourcing SETUP={setup}" in out and "PREFLIGHT python=" in out
+
+
+def test_environment_without_torch_fails_before_srun(one_node, tmp_path):
+    """A venv without torch: one line and exit code 2 from the batch file, no rank started."""
+    venv = tmp_path / "empty-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=clean_env())
+    client = one_node.sbatch(tmp_path, ["--ntasks-per-node=2", "--cpus-per-task=1"], [], PYTHON=None, VENV=str(venv))
+    _, out = finish(client, tmp_path, code=2)
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert errors == [f"run_training.sbatch: error: {venv}/bin/python3 (VENV={venv}) cannot import torch: "
+                      "ModuleNotFoundError: No module named 'torch'. Install it there (pip install -r requirements.txt), "
+                      "or set VENV, CONDA_ENV or SETUP"], out
+    assert "[rank" not in out and "START" not in out
+
+
+def test_submission_environment_wins_over_the_projects_venv(one_node, tmp_path):
+    """Submitted from an active venv: that one runs, not SHARED_DIR/.venv, and it says so."""
+    fake_project_venv = tmp_path / ".venv" / "bin"
+    fake_project_venv.mkdir(parents=True)
+    (fake_project_venv / "python").write_text("#!/bin/sh\nexit 99\n")
+    (fake_project_venv / "python").chmod(0o755)
+    venv = Path(sys.executable).parent.parent
+    client = one_node.sbatch(tmp_path, ["--ntasks-per-node=1", "--cpus-per-task=1"], ["--epochs", "1", "--max-steps", "2"],
+                             PYTHON=None, SHARED_DIR=str(tmp_path), VIRTUAL_ENV=str(venv),
+                             PATH=f"{venv}/bin:{os.environ['PATH']}")
+    _, out = finish(client, tmp_path)
+    assert f"env=the environment you submitted from ({venv})" in out
+
+
+@pytest.mark.parametrize("tasks, cpus", [(2, 1), (1, 2)])
+def test_each_rank_gets_the_cpus_it_asked_for(bound_node, tmp_path, tasks, cpus):
+    """task/affinity binds every task: each rank must run on --cpus-per-task CPUs with as
+    many threads, which needs SRUN_CPUS_PER_TASK since Slurm 22.05."""
+    client = bound_node.sbatch(tmp_path, [f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}", "--mem=2G"],
+                               ["--epochs", "1", "--max-steps", "2"])
+    _, out = finish(client, tmp_path)
+    ranks = re.findall(r"^\d+: \[rank \d/\d\] .* (\d+) threads on (\d+) CPUs$", out, re.M)
+    assert ranks == [(str(cpus), str(cpus))] * tasks, out[-3000:]
+
+
+def test_torchrun_agent_survives_usr1(two_nodes, tmp_path):
+    """Slurm's USR1 reaches every process of the step, torchrun's agent included: it must
+    ignore it (not die with 138) while its workers save and exit 75, leaving no orphans."""
+    client = two_nodes.sbatch(tmp_path, ["--no-requeue", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                              ["--batch-size", "64", "--epochs", "3", "--ckpt-every", "10"], LAUNCHER="torchrun",
+                              RUN_NAME="tr-usr1")
+    job_id = wait_for_epoch_1(client, tmp_path)
+    subprocess.run([str(LOCAL_SLURM), "exec", str(two_nodes.dir), "scancel", "--signal=USR1", job_id],
+                   env=two_nodes.env, check=True, timeout=60)
+    _, out = finish(client, tmp_path, code=75)
+    assert re.search(r"^0: stopping on SIGUSR1 at step \d+: saved ", out, re.M)
+    assert f"job={job_id} exit=75" in out
+    assert not re.search(r"exit code 138|exitcode\s*:\s*-10|Signals\.SIGUSR1", out), out[-3000:]
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", "run-name tr-usr1"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "processes of the job are still running"
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
