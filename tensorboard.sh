@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # tensorboard.sh: TensorBoard on the runs of mnist_ddp.py, reloading every second, bound to
-# 127.0.0.1 so that only you reach it, through an SSH tunnel. Runs in the foreground;
-# Ctrl-C stops it.
+# 127.0.0.1, which you reach through an SSH tunnel. That keeps it off the network, not
+# private: TensorBoard has no password, and anyone logged in to the same machine can open
+# 127.0.0.1:PORT too. On a shared login node, prefer running it on a compute node inside a
+# job, or at least --port random. Runs in the foreground; Ctrl-C stops it.
 #
 # Usage: tensorboard.sh [--logdir DIR] [--port N] [--bind-all] [-- extra tensorboard options]
 #   --logdir DIR   directory holding the run directories     [LOG_DIR, else ./runs]
 #   --port N       port to try first; if taken, the next free one is used  [PORT, else 6006]
+#                  random: a random port from 20000-29999, harder for others on the node to guess
 #   --bind-all     listen on every interface: anyone who can reach this node sees your runs
 #   -h, --help     this text
 # Variables:
@@ -36,8 +39,9 @@ while [[ $# -gt 0 ]]; do
         *) die "unknown option '$1'; see tensorboard.sh --help" ;;
     esac
 done
+if [[ $port == random ]]; then port=$((20000 + RANDOM % 10000)); fi
 if [[ ! $port =~ ^[0-9]+$ ]] || (( port < 1024 || port > 65535 )); then
-    die "--port must be a number from 1024 to 65535, got '$port'"
+    die "--port must be a number from 1024 to 65535 or 'random', got '$port'"
 fi
 [[ -d $logdir ]] || die "log directory '$logdir' does not exist; train first (python mnist_ddp.py) or pass --logdir DIR"
 
