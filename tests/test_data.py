@@ -112,7 +112,7 @@ def test_offline_error_names_the_path_and_the_flags(workdir, checksums):
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr
     error = results[0].stderr.strip().splitlines()[-1]
-    assert error.startswith("mnist_ddp.py: error: cannot download MNIST into data/MNIST/raw (")
+    assert error.startswith("mnist_ddp.py [rank 0/2 on ") and "]: error: cannot download MNIST into data/MNIST/raw (" in error
     assert "Connection refused" in error
     assert "--download-only" in error and "--data-mirror URL" in error and "--data-dir DIR" in error
     assert "another rank could not stage the data set" in results[1].stderr
