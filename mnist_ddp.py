@@ -1240,7 +1240,6 @@ def main(argv: list[str] | None = None) -> int:
         interrupt_step, interrupt_signal = (config.interrupt_at.split(":") + [""])[:2]
 
         def checkpoint() -> Path:
-            sync_buffers(raw_model)
             try:
                 return save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum)
             except Diverged as err:
