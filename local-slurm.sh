@@ -23,6 +23,8 @@
 #                        was given, as real clusters do  [task/none]
 #   LOCAL_SLURM_SELF_LOOPBACK  1: each node's own name resolves to 127.0.1.1 on that node,
 #                        as Debian and Ubuntu installers write /etc/hosts  [0]
+#   LOCAL_SLURM_CONF     more slurm.conf lines, e.g. to notice a dead node within seconds:
+#                        $'SlurmdTimeout=6\nMessageTimeout=3'   [none]
 #   LOCAL_SLURM_PORT     slurmctld port; slurmd uses the next one  [6817]
 #   LOCAL_SLURM_SUBNET   first three octets of the namespaces' addresses  [10.231.7]
 #   LOCAL_SLURM_PREFIX   prefix of node and namespace names  [ls]
@@ -94,6 +96,7 @@ MinJobAge=4
 KillWait=5
 SlurmdParameters=config_overrides
 EOF
+    if [[ -n ${LOCAL_SLURM_CONF:-} ]]; then echo "$LOCAL_SLURM_CONF" >> "$DIR/slurm.conf"; fi
     local line
     for line in "$@"; do echo "$line RealMemory=$mem CPUs=$CPUS State=UNKNOWN" >> "$DIR/slurm.conf"; done
     echo "PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$DIR/slurm.conf"

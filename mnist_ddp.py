@@ -31,14 +31,18 @@ Checkpoints go to its checkpoints/ (atomic, last --keep-ckpts kept); --resume au
 default) continues from the newest valid one, so the same command with the same run name,
 or a requeued Slurm job, carries on where it stopped. --allow-changes lets it carry on with
 more --epochs or another --lr. SIGUSR1 or SIGTERM: save at the next step, requeue the
-Slurm job, exit.
+Slurm job, exit. A rank that dies or hangs makes the others exit with code 4 within
+--dist-timeout; run_training.sbatch then restarts the job from the newest checkpoint.
 
 Exit codes
    0  done
-   1  unexpected error (a traceback), e.g. a bug, or a rank died
+   1  unexpected error (a traceback above it): a bug, which a restart would repeat
    2  a problem you can fix: one line on stderr says what to do
    3  the loss or the weights stopped being finite; nothing bad was saved (the line says
       how to resume with a lower --lr)
+   4  lost contact with another rank (it died, or hung past --dist-timeout); the line
+      names the operation and the step. Nothing saved is lost: run it again, as
+      run_training.sbatch does by itself (MAX_RESTARTS)
   75  stopped by SIGUSR1/SIGTERM after saving a checkpoint; the line says how to continue
       (under Slurm with --requeue the job has requeued itself)
 """
@@ -86,6 +90,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
@@ -100,17 +105,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from PIL import Image, ImageDraw
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams as hparams_summary
 from torchvision.datasets import MNIST, FashionMNIST
 from torchvision.datasets.utils import check_integrity
 
 PROG = "mnist_ddp.py"
 HERE = Path(__file__).resolve().parent
+EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
+EXIT_LOST_PEER = 4  # another rank died or hung: the one failure that running again fixes
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
+NOT_RETRIED = (EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED)  # a restart repeats them, or they asked to stop
 
 
 class UsageError(Exception):
@@ -177,6 +186,9 @@ class Config:
     resume: str = field(default="auto", metadata={
         "help": "auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints; never: start afresh; or a checkpoint file"})
     ckpt_every: int = field(default=500, metadata={"help": "checkpoint every N steps as well as at each epoch end (0: epoch ends only)"})
+    ckpt_minutes: float = field(default=10.0, metadata={
+        "help": "checkpoint as well when M minutes have passed since the last one, so a slow step cannot lose hours "
+                "(0: never)"})
     keep_ckpts: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
     allow_changes: bool = field(default=False, metadata={
         "help": f"resume even though {', '.join('--' + k.replace('_', '-') for k in CHANGEABLE)} differ from the "
@@ -230,6 +242,8 @@ def check_config(c: Config) -> None:
     need(not (c.run_name and c.run_dir), "pass --run-name or --run-dir, not both")
     need(c.image_every >= 0, f"--image-every must be 0 (never) or more, got {c.image_every}")
     need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
+    need(math.isfinite(c.ckpt_minutes) and c.ckpt_minutes >= 0,
+         f"--ckpt-minutes must be 0 (never) or a number of minutes, got {c.ckpt_minutes}")
     need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
     need(c.resume in ("auto", "never") or Path(c.resume).is_file(),
          f"--resume {c.resume}: no such checkpoint file; pass auto, never or an existing file")
@@ -266,6 +280,10 @@ class Launch:
     local_world_size: int = 1   # ranks on this node
     gpus_granted: str = ""      # the variable that says this job was given GPUs, e.g. "SLURM_JOB_GPUS=0,1"
     gpu_per_task: bool = False  # srun --gpus-per-task: Slurm shows each task only its own GPU(s)
+    attempt: str = "1/1"        # "k/N": the k-th start of this job step out of at most N (restarts after failures)
+    restarts_left: int = 0      # how often torchrun's agent would still restart this worker if it failed
+    exit_dir: str = ""          # where each rank records its exit code as rank-<r> (run_training.sbatch reads them)
+    requeues: int = 0           # how often Slurm has requeued this job (SLURM_RESTART_COUNT)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -361,7 +379,17 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
                         num_threads, max(local_world, local_rank + 1), gpu_per_task=bool(env.get("SLURM_GPUS_PER_TASK")))
     else:
         launch = Launch("single", 0, 0, 1, "127.0.0.1", 0, job_id, num_threads)
-    launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env))
+    # Restarts: run_training.sbatch numbers its attempts (srun mode); torchrun counts its own.
+    attempt = env.get("MNIST_DDP_ATTEMPT", "1/1")
+    if launch.source == "torchrun" and "TORCHELASTIC_MAX_RESTARTS" in env:
+        done, most = _int_var(env, "TORCHELASTIC_RESTART_COUNT"), _int_var(env, "TORCHELASTIC_MAX_RESTARTS")
+        attempt = f"{done + 1}/{most + 1}"
+        launch = dataclasses.replace(launch, restarts_left=most - done)
+    if not re.fullmatch(r"[1-9]\d*/[1-9]\d*", attempt):
+        raise UsageError(f"MNIST_DDP_ATTEMPT={attempt!r} is not k/N; unset it")
+    launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env), attempt=attempt,
+                                 exit_dir=env.get("MNIST_DDP_EXIT_DIR", ""),
+                                 requeues=_int_var(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0)
 
     if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or not 0 <= launch.local_rank <= launch.rank:
         raise UsageError(f"ranks do not add up ({launch.source}: rank {launch.rank}, local rank {launch.local_rank}, "
@@ -908,14 +936,97 @@ def resume_from(path: Path, config: Config, rt: Runtime, model: nn.Module, optim
     return progress, loss_sum
 
 
-# ----------------------------------------------------------------------------- preemption
+# ----------------------------------------------------------------------------- preemption and failures
 
-def agree_on_stopping(stop: StopSignals, loss: torch.Tensor, rt: Runtime) -> tuple[bool, bool]:
-    """(some rank got a stop signal, some rank's loss is not finite): one small all-reduce."""
+class CheckpointClock:
+    """Says when --ckpt-minutes have passed since the last checkpoint (the clock is a
+    parameter so that tests can move time)."""
+
+    def __init__(self, minutes: float, clock=time.monotonic):
+        self.seconds, self.clock = minutes * 60, clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and self.clock() - self.last >= self.seconds
+
+    def reset(self) -> None:
+        self.last = self.clock()
+
+
+def agree_on_step(stop: StopSignals, loss: torch.Tensor, clock: CheckpointClock, rt: Runtime) -> tuple[bool, bool, bool]:
+    """(some rank got a stop signal, some rank's loss is not finite, some rank's clock says
+    a checkpoint is due): one small all-reduce, so that every rank decides alike."""
     flags = torch.stack([torch.tensor(float(stop.received > 0), device=rt.device),
-                         (~torch.isfinite(loss)).to(torch.float32)])
-    stopping, diverged = all_reduce(flags).tolist()
-    return stopping > 0, diverged > 0
+                         (~torch.isfinite(loss)).to(torch.float32),
+                         torch.tensor(float(clock.due()), device=rt.device)])
+    stopping, diverged, ckpt_due = all_reduce(flags).tolist()
+    return stopping > 0, diverged > 0, ckpt_due > 0
+
+
+# What each collective is for, by the function that runs it: a lost peer names it.
+COLLECTIVES = {
+    "init_distributed": "joining the process group", "prepare_data": "the barrier around staging the data",
+    "agree_on_checkpoint": "choosing the checkpoint to resume from", "train_step": "the gradient all-reduce",
+    "agree_on_step": "the per-step agreement (stop, divergence, checkpoint time)",
+    "sync_buffers": "the broadcast of the model's buffers", "evaluate": "the all-reduce of the test figures",
+    "peak_rss_mb": "the all-reduce of the memory figures", "save_checkpoint": "the gather of each rank's state",
+    "stop_here": "the barrier before stopping", "main": "a collective of main() (the host list, the epoch's loss sums)",
+}
+
+
+def is_lost_peer(err: BaseException) -> bool:
+    """A collective failed because another rank is gone or hung: c10d's own errors (NCCL,
+    the store), or Gloo's, which arrive as a RuntimeError that says what the socket saw."""
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and re.search(
+        r"Connection (closed|reset) by peer|Timed out waiting|Broken pipe|Connection refused|gloo/transport", str(err)) is not None
+
+
+def lost_peer_message(err: BaseException, progress: Progress) -> str:
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == __file__]
+    where = next((COLLECTIVES[f.name] for f in reversed(frames) if f.name in COLLECTIVES), "a collective")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # drop Gloo's source path
+    return (f"lost contact with another rank during {where} at step {progress.step} (epoch {progress.epoch}): a peer "
+            f"probably died or hung ({detail[:200]}). Nothing saved is lost: run_training.sbatch restarts from the newest "
+            "checkpoint by itself; elsewhere run the same command again")
+
+
+def record_exit(code: int, launch: Launch | None) -> None:
+    """Leave this rank's exit code where run_training.sbatch reads it: it restarts after
+    a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
+    if launch and launch.exit_dir:
+        with contextlib.suppress(OSError):
+            Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+            Path(launch.exit_dir, f"rank-{launch.rank}").write_text(f"{code}\n")
+
+
+def unfixable_exit(launch: Launch) -> tuple[int, str]:
+    """(code, rank file) of an earlier attempt of this step that a restart cannot fix, or (0, "").
+
+    torchrun restarts every worker when one fails. When one rank hit a bug (1) or a usage
+    error (2) and the others lost it, the restarted workers find its code here and end
+    at once instead of repeating it."""
+    if not launch.exit_dir or launch.attempt.startswith("1/"):
+        return 0, ""
+    for path in sorted(Path(launch.exit_dir).glob("rank-*")):
+        with contextlib.suppress(OSError, ValueError):
+            if (code := int(path.read_text())) in NOT_RETRIED:
+                return code, path.name
+    return 0, ""
+
+
+def exit_status(code: int) -> int:
+    """The process's exit status for its launcher. torchrun restarts every worker group in
+    which a worker exited non-zero, whatever the code; so while it would restart, a code
+    that a restart cannot fix goes to the exit file only and the worker exits 0. Users of
+    torchrun without run_training.sbatch (no MNIST_DDP_EXIT_DIR) get the code itself."""
+    with contextlib.suppress(UsageError):
+        launch = read_launch_env(os.environ)
+        if launch.exit_dir and launch.restarts_left > 0 and code in NOT_RETRIED:
+            return 0
+    return code
 
 
 SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
@@ -1015,6 +1126,7 @@ def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
         "hosts": sorted(set(hosts)), "master": f"{launch.master_addr}:{launch.master_port}" if rt.world_size > 1 else "",
         "slurm_job_id": launch.job_id, "cpu_threads_per_rank": torch.get_num_threads(), "cpus_rank_0": usable_cpus(),
         "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""), "gpus_granted": launch.gpus_granted,
+        "attempt": launch.attempt, "slurm_requeues": launch.requeues,
     }
     if rt.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(rt.device)
@@ -1052,6 +1164,42 @@ def confusion_picture(confusion: torch.Tensor) -> np.ndarray:
     return np.asarray(sheet)
 
 
+# The HParams tab: the options that shape training, typed, and the metrics to compare runs
+# by, with their scalar tags (so a run still going shows its latest values). TensorBoard
+# takes the first experiment it finds in a log directory; every run declares this one.
+HPARAMS = {"lr": float, "weight_decay": float, "batch_size": int, "global_batch": int, "epochs": int, "model": str,
+           "dropout": float, "seed": int, "world_size": int, "amp": bool}
+HPARAM_METRICS = {"test/accuracy": "test accuracy", "test/loss": "test loss", "train/loss": "train loss",
+                  "time/seconds_to_best": "seconds to the best epoch"}
+
+
+def hparams_summary(tag: str, **content) -> Summary:
+    data = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **content)
+    plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=data.SerializeToString())
+    return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
+
+
+def declare_hparams(log_dir: Path) -> None:
+    """Write the experiment (which options and metrics the tab shows) once per log directory."""
+    types = {float: api_pb2.DATA_TYPE_FLOAT64, int: api_pb2.DATA_TYPE_FLOAT64, str: api_pb2.DATA_TYPE_STRING,
+             bool: api_pb2.DATA_TYPE_BOOL}
+    infos = [api_pb2.HParamInfo(name=name, type=types[kind]) for name, kind in HPARAMS.items()]
+    infos[list(HPARAMS).index("model")].domain_discrete.extend(MODELS)
+    metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name) for tag, name in HPARAM_METRICS.items()]
+    try:
+        os.close(os.open(log_dir / ".hparams-declared", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return  # another run of this directory (an array task) did it
+    with SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
+        writer.file_writer.add_summary(hparams_summary(metadata.EXPERIMENT_TAG, experiment=api_pb2.Experiment(
+            hparam_infos=infos, metric_infos=metrics)))
+
+
+def hparam_values(config: Config, world_size: int) -> dict:
+    values = {**dataclasses.asdict(config), "global_batch": config.batch_size * world_size, "world_size": world_size}
+    return {name: values[name] for name in HPARAMS}
+
+
 def markdown_table(d: dict) -> str:
     return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in d.items())
 
@@ -1062,6 +1210,8 @@ class RunLogger:
     def __init__(self, run_dir: Path, config: Config, environment: dict, resumed_step: int | None, note: str = ""):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "exit-code").unlink(missing_ok=True)  # written again when this attempt ends
+        # For sweep.py summary and anyone reading the directory: what this attempt runs with.
+        (run_dir / "run.json").write_text(json.dumps({"config": dataclasses.asdict(config), "environment": environment}))
         self.run_dir = run_dir
         self.log_every, self.progress_every = config.log_every, config.progress_every
         self.last_progress = time.monotonic()
@@ -1071,11 +1221,22 @@ class RunLogger:
             # have TensorBoard hide those steps, so nothing is doubled or rewound.
             kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
             metrics_path.write_text("".join(line + "\n" for line in kept))
+        # Training time so far and when the best epoch came, over every attempt of the run.
+        self.elapsed, self.best, self.to_best = 0.0, -1.0, 0.0
+        for line in metrics_path.read_text().splitlines() if resumed_step is not None and metrics_path.exists() else []:
+            self.add_epoch_time(json.loads(line))
+        declare_hparams(run_dir.parent)
         self.writer = SummaryWriter(str(run_dir), purge_step=None if resumed_step is None else resumed_step + 1)
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for name, value in hparam_values(config, environment["world_size"]).items():
+            kind = "bool_value" if isinstance(value, bool) else "string_value" if isinstance(value, str) else "number_value"
+            setattr(start.hparams[name], kind, value)
+        self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=start))
         self.metrics = open(metrics_path, "a")
         self.show_progress = sys.stdout.isatty()
-        self.writer.add_text("config", markdown_table(dataclasses.asdict(config)))
-        self.writer.add_text("environment", markdown_table(environment))
+        # At the step it starts from: a resumed run's attempts each keep their own entry.
+        self.writer.add_text("config", markdown_table(dataclasses.asdict(config)), resumed_step or 0)
+        self.writer.add_text("environment", markdown_table(environment), resumed_step or 0)
         if note:
             self.writer.add_text("log", note, resumed_step or 0)
             print(note, flush=True)
@@ -1096,7 +1257,14 @@ class RunLogger:
             print(f"epoch {epoch} step {step_in_epoch}/{steps_per_epoch} (step {step} in all) batch loss {loss.item():.4f}",
                   flush=True)
 
+    def add_epoch_time(self, record: dict) -> None:
+        self.elapsed += record["epoch_s"]
+        if record["test_accuracy"] > self.best:
+            self.best, self.to_best = record["test_accuracy"], self.elapsed
+        record["seconds_to_best"] = self.to_best
+
     def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None:
+        self.add_epoch_time(record)
         if self.show_progress:
             print("\r\033[K", end="")
         line = (f"epoch {record['epoch']:3d} | train loss {record['train_loss']:.4f} | test loss {record['test_loss']:.4f} "
@@ -1109,6 +1277,7 @@ class RunLogger:
         for tag, key in (("train/loss", "train_loss"), ("test/loss", "test_loss"), ("test/accuracy", "test_accuracy"),
                          ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"), ("speed/epoch_s", "epoch_s"),
                          ("memory/peak_rss_mb", "peak_rss_mb"), ("gpu/memory_gb", "gpu_memory_gb"),
+                         ("time/seconds_to_best", "seconds_to_best"),
                          ("gpu/utilization_percent", "gpu_utilization")):
             if key in record:
                 self.writer.add_scalar(tag, record[key], step)
@@ -1123,13 +1292,11 @@ class RunLogger:
             self.writer.add_image("test/confusion_matrix", confusion_picture(evaluation.confusion), step, dataformats="HWC")
         self.writer.flush()  # per epoch, not per step: cheap and TensorBoard stays current
 
-    def finish(self, config: Config, final: dict, step: int) -> None:
-        hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in dataclasses.asdict(config).items()}
-        metrics = {f"final/{k}": v for k, v in final.items()}
-        for summary in hparams_summary(hparams, metrics):
-            self.writer.file_writer.add_summary(summary)
-        for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, step)
+    def finish(self, final: dict, step: int) -> None:
+        for name, value in final.items():
+            self.writer.add_scalar(f"final/{name}", value, step)
+        self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=(
+            plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
 
     def close(self, exit_code: int | None = None) -> None:
         self.writer.close()
@@ -1143,7 +1310,7 @@ class NullLogger:
 
     def step(self, *args) -> None: ...
     def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None: ...
-    def finish(self, config: Config, final: dict, step: int) -> None: ...
+    def finish(self, final: dict, step: int) -> None: ...
     def close(self, exit_code: int | None = None) -> None: ...
 
 
@@ -1189,11 +1356,17 @@ def agree_on_checkpoint(config: Config, rt: Runtime, run_dir: Path) -> tuple[str
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     stop, who = EARLY_STOP or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
-    logger, code = NullLogger(), 1
+    logger, code, launch, progress = NullLogger(), EXIT_BUG, None, Progress()
     try:
-        config = parse_config(argv)
         launch = read_launch_env(os.environ)
         who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
+        config = parse_config(argv)
+        earlier, rank_file = unfixable_exit(launch)
+        if earlier:
+            print(f"{PROG}{who}: not training again: an earlier attempt ended with exit code {earlier} ({rank_file}), "
+                  "which a restart does not fix; see its error above", file=sys.stderr, flush=True)
+            code = earlier
+            return code
         rt = init_distributed(config, launch)
         train_set, test_set = prepare_data(config, rt)
         if config.download_only:
@@ -1221,7 +1394,10 @@ def main(argv: list[str] | None = None) -> int:
             code = 0
             return code
 
-        hosts = gather_to_all(socket.gethostname())
+        starts = gather_to_all((socket.gethostname(), launch.attempt))
+        hosts = [host for host, _ in starts]
+        # torchrun's agents count their restarts each on their own: the highest is the job's.
+        launch = dataclasses.replace(launch, attempt=max((a for _, a in starts), key=lambda a: int(a.split("/")[0])))
         if rt.is_main:
             note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
             logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts),
@@ -1236,14 +1412,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"global batch {config.batch_size * rt.world_size} ({rt.world_size} x {config.batch_size}), "
                   f"{total_steps} steps in all", flush=True)
             if ckpt_path:
-                print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step}", flush=True)
+                print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
+                      f"requeued {launch.requeues}x)", flush=True)
         interrupt_step, interrupt_signal = (config.interrupt_at.split(":") + [""])[:2]
+        ckpt_clock = CheckpointClock(config.ckpt_minutes)
 
         def checkpoint() -> Path:
             try:
-                return save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum)
+                path = save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum)
             except Diverged as err:
                 raise diverged(str(err)) from None
+            ckpt_clock.reset()
+            return path
 
         def stop_here(path: Path) -> int:
             if rt.is_main:
@@ -1276,11 +1456,11 @@ def main(argv: list[str] | None = None) -> int:
                 progress.step, progress.step_in_epoch = progress.step + 1, k + 1
                 if rt.is_main and interrupt_step and progress.step == int(interrupt_step):
                     os.kill(os.getpid(), getattr(signal, f"SIG{interrupt_signal}"))
-                stopping, is_diverged = agree_on_stopping(stop, loss, rt)
+                stopping, is_diverged, ckpt_due = agree_on_step(stop, loss, ckpt_clock, rt)
                 if is_diverged:  # before any checkpoint could take the bad weights
                     raise diverged(f"the loss became {loss.item()}")
                 logger.step(progress.step, loss, progress.epoch, k + 1, steps_per_epoch)
-                if stopping or (config.ckpt_every and progress.step % config.ckpt_every == 0):
+                if stopping or ckpt_due or (config.ckpt_every and progress.step % config.ckpt_every == 0):
                     path = checkpoint()
                     if stopping:
                         code = stop_here(path)
@@ -1303,7 +1483,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             loss_sum.zero_()
             path = checkpoint()
-            if agree_on_stopping(stop, torch.zeros((), device=rt.device), rt)[0]:  # a signal during evaluation
+            if agree_on_step(stop, torch.zeros((), device=rt.device), ckpt_clock, rt)[0]:  # a signal during evaluation
                 code = stop_here(path)
                 return code
 
@@ -1311,7 +1491,7 @@ def main(argv: list[str] | None = None) -> int:
         if rt.is_main:
             save_atomic(raw_model.state_dict(), run_dir / "model.pt")
             print(f"saved {run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%", flush=True)
-        logger.finish(config, {k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
+        logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
         code = 0
         return code
     except UsageError as err:
@@ -1320,11 +1500,20 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as err:
         code = fail(err, EXIT_DIVERGED, who)
         return code
+    except Exception as err:
+        if is_lost_peer(err):
+            code = fail(lost_peer_message(err, progress), EXIT_LOST_PEER, who)
+        else:
+            traceback.print_exc()
+            code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",
+                        EXIT_BUG, who)
+        return code
     finally:
-        stop.restore()
+        record_exit(code, launch)  # first: after a failure, srun may end this process any moment now
         logger.close(code)
         teardown_distributed()
+        stop.restore()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status(main()))

@@ -35,12 +35,13 @@ def test_stopped_run_prints_the_command_that_continues_it(workdir):
     first = run_single([*FAST, "--interrupt-at", "5:USR1"], cwd=workdir)
     assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
     command = printed_command(first.stdout, "to continue: ")
-    run_dir = next((workdir / "runs").iterdir())
+    run_dirs = [p for p in (workdir / "runs").iterdir() if p.is_dir()]  # beside the HParams declaration
+    run_dir = run_dirs[0]
     assert command[-2:] == ["--run-name", run_dir.name]  # the timestamped run, named
     again = subprocess.run(command, cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert_ok(again)
     assert f"resumed from runs/{run_dir.name}/checkpoints/ckpt-00000005.pt: epoch 1, step 5" in again.stdout
-    assert len(list((workdir / "runs").iterdir())) == 1  # no second run directory
+    assert [p for p in (workdir / "runs").iterdir() if p.is_dir()] == run_dirs  # no second run directory
     assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
     assert (run_dir / "exit-code").read_text() == "0\n"
 

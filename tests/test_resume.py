@@ -2,7 +2,7 @@
 SIGUSR1 or SIGTERM at several steps (mid-epoch, at an epoch's last step, the first step)
 and run again ends bit-identical to an uninterrupted run; damaged, garbage and malicious
 newest checkpoints are skipped with a warning (the malicious one runs nothing); a
-SIGKILLed rank ends the job quickly with a non-zero status and an intact checkpoint; a
+SIGKILLed rank ends the job quickly with the lost-peer code 4 and an intact checkpoint; a
 diverging loss stops the run before bad weights are saved; TensorBoard and
 metrics.jsonl carry on without doubled steps.
 
@@ -10,6 +10,7 @@ metrics.jsonl carry on without doubled steps.
 """
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,7 +21,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single
-from mnist_ddp import EXIT_DIVERGED, EXIT_STOPPED, read_checkpoint
+from mnist_ddp import EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED, read_checkpoint
 
 # 4000 images, 2 ranks x 64: 32 steps an epoch; 2 epochs, 64 steps; dropout exercises the RNG state.
 ARGS = ["--epochs", "2", "--batch-size", "64", "--dropout", "0.2", "--ckpt-every", "10"]
@@ -151,11 +152,13 @@ def test_killed_rank_ends_the_job(workdir):
     seconds = time.monotonic() - killed_at
     print(f"rank 0 ended {seconds:.1f} s after rank 1 was killed")
     procs[1].wait(timeout=10)
-    assert procs[0].returncode not in (0, None) and procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == EXIT_LOST_PEER and procs[1].returncode == -signal.SIGKILL
+    errors = [line for line in procs[0].communicate()[1].splitlines() if "error" in line]
+    assert len(errors) == 1 and re.match(r"mnist_ddp.py \[rank 0/2 on \S+\]: error: lost contact with another rank during .* at step \d+ "
+                                         r"\(epoch \d+\): a peer probably died or hung \(", errors[0]), errors
     newest = sorted(checkpoints.glob("ckpt-*.pt"))[-1]
     assert read_checkpoint(newest, "cpu")["progress"]["step"] > 0
-    for proc in procs:
-        proc.communicate()
+    procs[1].communicate()
 
 
 def test_diverging_loss_stops_before_bad_weights_are_saved(workdir):

@@ -20,72 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SAMPLE, clean_env, read_metrics
+from conftest import LOCAL_SLURM, ROOT, SAMPLE, SBATCH_FILE, Cluster, clean_env, finish, read_metrics, wait_for_epoch_1
 
-LOCAL_SLURM = ROOT / "local-slurm.sh"
-SBATCH_FILE = ROOT / "run_training.sbatch"
 SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT / "tensorboard.sh", ROOT / ".ci" / "run"]
-
-
-class Cluster:
-    def __init__(self, directory: Path, nodes: int, env: dict[str, str]):
-        self.dir, self.nodes, self.env = directory, nodes, env
-        result = subprocess.run([str(LOCAL_SLURM), "start", str(directory), str(nodes)], env=env,
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, f"cannot start a local Slurm cluster:\n{result.stdout}{result.stderr}"
-
-    def sbatch(self, submit_dir: Path, options: list[str], args: list[str], **env: str) -> subprocess.Popen:
-        """Start `sbatch --wait` of the real batch file from submit_dir; returns the running client.
-        The job runs the tests' interpreter unless env names another environment."""
-        submit_dir.mkdir(parents=True, exist_ok=True)
-        job_env = {**self.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable, **env}
-        job_env = {k: v for k, v in job_env.items() if v is not None}
-        cmd = [str(LOCAL_SLURM), "exec", str(self.dir), "sbatch", "--wait", "--parsable", *options, str(SBATCH_FILE), *args]
-        return subprocess.Popen(cmd, cwd=submit_dir, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def stop(self):
-        subprocess.run([str(LOCAL_SLURM), "stop", str(self.dir)], env=self.env, capture_output=True, timeout=120)
-
-
-def finish(client: subprocess.Popen, submit_dir: Path, timeout: float = 400, code: int = 0) -> tuple[str, str]:
-    """Wait for `sbatch --wait`; return (job id, output file text) after checking the exit code."""
-    out, err = client.communicate(timeout=timeout)
-    job_id = out.strip().split(";")[0]
-    log = submit_dir / f"mnist-ddp-{job_id}.out"
-    text = log.read_text() if log.exists() else "(no output file)"
-    assert client.returncode == code, f"sbatch exit {client.returncode}\n{err}\n{text[-4000:]}"
-    return job_id, text
-
-
-def wait_for_epoch_1(client: subprocess.Popen, submit_dir: Path) -> str:
-    """Wait until a job's output shows its first epoch; returns the job id."""
-    deadline = time.monotonic() + 300
-    logs = []
-    while time.monotonic() < deadline and client.poll() is None:
-        logs = list(submit_dir.glob("mnist-ddp-*.out"))
-        if logs and re.search(r"^0: epoch   1 \|", logs[0].read_text(), re.M):
-            break
-        time.sleep(0.2)
-    assert logs, "the job wrote no output"
-    return logs[0].name.split("-")[-1].removesuffix(".out")
-
-
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("slurm1"), 1, clean_env(LOCAL_SLURM_PORT="16817"))
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    """Each node's own name resolves to 127.0.1.1 there, as on many real clusters: the batch
-    file must still find an address the other node reaches, and Gloo an interface."""
-    cluster = Cluster(tmp_path_factory.mktemp("slurm2"), 2,
-                      clean_env(LOCAL_SLURM_PORT="16827", LOCAL_SLURM_PREFIX="mt", LOCAL_SLURM_SUBNET="10.231.9",
-                                LOCAL_SLURM_SELF_LOOPBACK="1"))
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,11 @@ every test image once, and TensorBoard's own reader finds the logged tags.
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import mnist_ddp
 from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single, run_torchrun
+from mnist_ddp import HPARAMS
 
 SHORT = ["--epochs", "1", "--max-steps", "6", "--dropout", "0"]
 
@@ -48,8 +50,20 @@ def test_tensorboard_events_hold_the_expected_tags(smoke_run):
     assert {"config/text_summary", "environment/text_summary"} <= tensors
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| batch_size | 128 |" in config_text
+    # The run holds its own hparams values; the experiment (which of them the tab shows, and
+    # which metrics) is declared once, in the log directory that holds the runs.
     plugins = events.PluginTagToContent("hparams")
-    assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(plugins)
+    assert {"_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(plugins)
+    assert "_hparams_/experiment" not in plugins
+    start = HParamsPluginData.FromString(plugins["_hparams_/session_start_info"]).session_start_info
+    assert set(start.hparams) == set(HPARAMS) and start.hparams["batch_size"].number_value == 128
+    assert start.hparams["amp"].bool_value is False and start.hparams["model"].string_value == "cnn"
+    root = EventAccumulator(str(run_dir.parent), size_guidance={"tensors": 0})
+    root.Reload()
+    experiment = HParamsPluginData.FromString(root.PluginTagToContent("hparams")["_hparams_/experiment"]).experiment
+    assert [m.name.tag for m in experiment.metric_infos] == ["test/accuracy", "test/loss", "train/loss", "time/seconds_to_best"]
+    assert [h.name for h in experiment.hparam_infos] == list(HPARAMS)
+    assert len(events.Scalars("time/seconds_to_best")) == 8
 
 
 def test_torchrun_two_ranks(workdir):

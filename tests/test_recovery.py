@@ -1,0 +1,322 @@
+"""Failures that heal by themselves, with real processes, real signals and a real Slurm
+(local-slurm.sh): a rank SIGKILLed twice in one job, a rank frozen with SIGSTOP, a
+crash loop, failures that must not be retried, a torchrun worker killed across two
+nodes, and a whole node lost from a three-node cluster. Also, at unit level: which
+outcomes the batch file retries, what a lost peer says, and --ckpt-minutes with a
+fake clock.
+
+The times these tests print (kill to resumed, hang detected, node lost to training
+again) are the README's "Failures and recovery" figures; nothing asserts on them.
+
+    python -m pytest tests/test_recovery.py -s
+"""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mnist_ddp
+from conftest import LOCAL_SLURM, SBATCH_FILE, Cluster, clean_env, finish, load_params, read_metrics
+
+FAST = ["--batch-size", "64", "--ckpt-every", "10"]  # 32 steps an epoch on 2 ranks, a checkpoint every 10
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def rank_pids(run_name: str, rank: int) -> list[int]:
+    """The training processes of rank `rank` of the run, found as an operator would: by
+    their command line and the rank variables their launcher gave them."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not any(a.endswith(b"mnist_ddp.py") for a in args) or run_name.encode() not in args:
+            continue
+        if b"torch.distributed.run" in args or args[0].endswith(b"bash"):
+            continue  # torchrun's agent, or the batch file's wrapper
+        under_torchrun = any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env)
+        if f"{'RANK' if under_torchrun else 'SLURM_PROCID'}={rank}".encode() in env:
+            pids.append(int(proc.name))
+    return pids
+
+
+def output_of(submit_dir: Path) -> str:
+    logs = list(submit_dir.glob("mnist-ddp-*.out"))
+    return logs[0].read_text() if logs else ""
+
+
+def wait_for(submit_dir: Path, pattern: str, count: int = 1, timeout: float = 300) -> float:
+    """Wait until the job's output holds `pattern` (a regex, per line) `count` times; returns when."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(re.findall(pattern, output_of(submit_dir), re.M)) >= count:
+            return time.monotonic()
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} x{count} in the output within {timeout} s:\n{output_of(submit_dir)[-3000:]}")
+
+
+def signal_rank(run_name: str, rank: int, sig: signal.Signals) -> float:
+    deadline = time.monotonic() + 60
+    while not (pids := rank_pids(run_name, rank)):
+        assert time.monotonic() < deadline, f"rank {rank} of {run_name} is not running"
+        time.sleep(0.1)
+    for pid in pids:
+        os.kill(pid, sig)
+    return time.monotonic()
+
+
+def lost_steps(out: str) -> list[int]:
+    """Per restart: the step a lost peer was noticed at, minus the step the next attempt resumed from."""
+    noticed = [int(s) for s in re.findall(r"lost contact with another rank during .* at step (\d+) ", out)]
+    resumed = [int(s) for s in re.findall(r"^0: resumed from \S+: epoch \d+, step (\d+) ", out, re.M)]
+    return [n - r for n, r in zip(noticed, resumed, strict=False)]
+
+
+def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    """Three nodes; slurmctld declares a silent node down within about 10 s."""
+    cluster = Cluster(tmp_path_factory.mktemp("slurm3"), 3,
+                      clean_env(LOCAL_SLURM_PORT="16847", LOCAL_SLURM_PREFIX="ft", LOCAL_SLURM_SUBNET="10.231.11",
+                                LOCAL_SLURM_SELF_LOOPBACK="1", LOCAL_SLURM_CONF="SlurmdTimeout=10\nMessageTimeout=3"))
+    yield cluster
+    cluster.stop()
+
+
+# ----------------------------------------------------------------------------- unit level
+
+SETTLE = re.search(r"^settle\(\) \{.*?^\}$", SBATCH_FILE.read_text(), re.M | re.S).group(0)
+
+
+@pytest.mark.parametrize("srun_status, codes, status, retry", [
+    (0, {0: 0, 1: 0}, 0, False),
+    (137, {0: 4}, 137, True),             # rank 1 killed (SIGKILL, the OOM killer), rank 0 lost it
+    (143, {0: 4}, 143, True),             # ... and srun ended rank 0 with SIGTERM
+    (4, {0: 4, 1: 4}, 4, True),           # both lost a peer (a hang ended by --dist-timeout)
+    (4, {0: 4, 1: 1}, 1, False),          # rank 1's bug, rank 0 lost it: the bug decides
+    (2, {0: 2, 1: 2}, 2, False),          # a usage problem
+    (3, {0: 3, 1: 3}, 3, False),          # diverged
+    (75, {0: 75, 1: 75}, 75, False),      # stopped on a signal, not requeued
+    (1, {}, 1, False),                    # died before main() (an import error): no codes, no signal
+    (139, {0: 0, 1: 0}, 139, False),      # every rank finished: nothing to restart
+])
+def test_which_outcomes_the_batch_file_retries(tmp_path, srun_status, codes, status, retry):
+    """The batch file's own `settle` function, run by bash over rank files as the ranks write them."""
+    for rank, code in codes.items():
+        (tmp_path / f"rank-{rank}").write_text(f"{code}\n")
+    script = f'{SETTLE}\nsettle {srun_status}\necho "$status/${{retry:-no}}/$why"'
+    out = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], "SLURM_NTASKS": "2",
+                                                      "MNIST_DDP_EXIT_DIR": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    got_status, got_retry, why = out.split("/", 2)
+    assert (int(got_status), got_retry == "yes") == (status, retry), out
+    assert not retry or why
+
+
+def test_checkpoint_clock_with_a_fake_clock():
+    now = [100.0]
+    clock = mnist_ddp.CheckpointClock(2.5, clock=lambda: now[0])
+    now[0] += 149
+    assert not clock.due()
+    now[0] += 1
+    assert clock.due()
+    clock.reset()
+    assert not clock.due()
+    assert not mnist_ddp.CheckpointClock(0, clock=lambda: now[0] + 1e9).due()  # 0: never
+
+
+def _agreement(rank: int, init: str, result: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    rt = mnist_ddp.Runtime(rank, rank, 2, torch.device("cpu"), "gloo", rank == 0)
+    now = [0.0]
+    clock = mnist_ddp.CheckpointClock(1, clock=lambda: now[0])
+    stop = mnist_ddp.StopSignals()
+    stop.restore()
+    loss = torch.tensor(0.5)
+    first = mnist_ddp.agree_on_step(stop, loss, clock, rt)
+    if rank == 0:
+        now[0] = 61.0  # only rank 0's clock has passed the minute
+    second = mnist_ddp.agree_on_step(stop, loss, clock, rt)
+    progress = mnist_ddp.Progress(epoch=3, step=77)
+    if rank == 1:
+        dist.destroy_process_group()
+        os._exit(0)  # rank 1 dies: rank 0's next collective loses it
+    try:
+        mnist_ddp.agree_on_step(stop, loss, clock, rt)
+        lost = "no error"
+    except Exception as err:  # what main() sees
+        lost = mnist_ddp.lost_peer_message(err, progress) if mnist_ddp.is_lost_peer(err) else f"not a lost peer: {err!r}"
+    result.update(first=first, second=second, lost=lost)
+
+
+def test_ranks_agree_on_a_checkpoint_due_by_time_and_name_a_lost_peer(tmp_path):
+    """Two real Gloo ranks: when one rank's clock says a checkpoint is due, both decide to
+    save; when rank 1 dies, rank 0's error names the operation and the step."""
+    manager = mp.Manager()
+    result = manager.dict()
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_agreement, args=(rank, init, result if rank == 0 else {})) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert result["first"] == (False, False, False)
+    assert result["second"] == (False, False, True)
+    assert result["lost"].startswith("lost contact with another rank during the per-step agreement "
+                                     "(stop, divergence, checkpoint time) at step 77 (epoch 3): a peer probably died or hung ("), \
+        result["lost"]
+
+
+def test_torchrun_workers_hide_unfixable_codes_from_the_agent(monkeypatch, tmp_path):
+    """Under run_training.sbatch's torchrun, a code no restart fixes is written down and
+    reported to the agent as 0 while it would restart; a lost peer stays non-zero."""
+    for var in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+                "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3", "MNIST_DDP_EXIT_DIR": str(tmp_path)}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    assert [mnist_ddp.exit_status(code) for code in (0, 1, 2, 3, 4, 75)] == [0, 0, 0, 0, 4, 0]
+    launch = mnist_ddp.read_launch_env(os.environ)
+    assert launch.attempt == "2/4" and launch.restarts_left == 2
+    assert mnist_ddp.unfixable_exit(launch) == (0, "")
+    (tmp_path / "rank-0").write_text("4\n")
+    (tmp_path / "rank-1").write_text("1\n")
+    assert mnist_ddp.unfixable_exit(launch) == (1, "rank-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # the last attempt: the agent hears the real code
+    assert mnist_ddp.exit_status(2) == 2
+    monkeypatch.delenv("MNIST_DDP_EXIT_DIR")  # torchrun by hand: real codes always
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert mnist_ddp.exit_status(2) == 2
+
+
+# ----------------------------------------------------------------------------- on a real Slurm
+
+def test_a_rank_killed_twice_heals_within_the_job_bit_identically(one_node, tmp_path):
+    """SIGKILL rank 1 in epoch 2 and again in epoch 5 of the restarted step: the job
+    restarts the step twice in its allocation and ends with the very parameters of an
+    uninterrupted run, every epoch and every logged step once in metrics and TensorBoard."""
+    options = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+    reference = one_node.sbatch(tmp_path / "reference", options, FAST, RUN_NAME="straight")
+    client = one_node.sbatch(tmp_path, options, FAST, RUN_NAME="healed")
+    kills = []
+    for epoch in (1, 4):  # epoch 4 ends only in the restarted step
+        wait_for(tmp_path, rf"^0: epoch   {epoch} \|")
+        kills.append(signal_rank("healed", 1, signal.SIGKILL))
+    resumed = [wait_for(tmp_path, r"^0: resumed from ", n) for n in (1, 2)]
+    job_id, out = finish(client, tmp_path)
+    finish(reference, tmp_path / "reference")
+    print(f"\nSIGKILL to training resumed: {[round(r - k, 1) for k, r in zip(kills, resumed, strict=True)]} s; "
+          f"steps lost per crash: {lost_steps(out)}")
+    assert re.findall(r"^ATTEMPT (\d/4) after exit \d+ \(rank 1 ended without an exit code", out, re.M) == ["2/4", "3/4"], \
+        out[-3000:]
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    assert re.findall(r"^0: resumed from .* \(attempt (\d/4), requeued 0x\)$", out, re.M) == ["2/4", "3/4"]
+    run_dir = tmp_path / "runs" / "healed"
+    healed, straight = load_params(run_dir), load_params(tmp_path / "reference" / "runs" / "straight")
+    assert healed.keys() == straight.keys()
+    assert all(torch.equal(healed[k], straight[k]) for k in healed)
+    assert [m["epoch"] for m in read_metrics(run_dir)] == list(range(1, 9))
+    steps = tensorboard_steps(run_dir, "train/batch_loss")
+    assert steps == sorted(set(steps)) == list(range(50, 257, 50))
+    assert tensorboard_steps(run_dir, "test/accuracy") == list(range(32, 257, 32))
+
+
+def test_a_hung_rank_is_detected_after_the_timeout_and_the_job_heals(one_node, tmp_path):
+    """SIGSTOP freezes rank 1 mid-training: rank 0 gives up on it after --dist-timeout 20
+    with the lost-peer code, and the restarted step completes."""
+    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                             [*FAST, "--dist-timeout", "20"], RUN_NAME="frozen")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    stopped = signal_rank("frozen", 1, signal.SIGSTOP)
+    noticed = wait_for(tmp_path, r"error: lost contact with another rank during .*Timed out")
+    print(f"\nhang (SIGSTOP) detected after {noticed - stopped:.1f} s at --dist-timeout 20")
+    _, out = finish(client, tmp_path)
+    assert re.search(r"^ATTEMPT 2/4 after exit \d+ ", out, re.M)
+    assert re.search(r"^0: resumed from .*\(attempt 2/4", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "frozen")] == list(range(1, 9))
+
+
+def test_a_crash_loop_gives_up_after_max_restarts(one_node, tmp_path):
+    """Rank 1 is killed in every attempt: after MAX_RESTARTS=2 restarts the job gives up,
+    says so on its END line and exits non-zero."""
+    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                             [*FAST, "--epochs", "30"], RUN_NAME="doomed", MAX_RESTARTS="2")
+
+    def killer():
+        for attempt in range(1, 4):
+            wait_for(tmp_path, r"^0: global batch", attempt)
+            signal_rank("doomed", 1, signal.SIGKILL)
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    client.communicate(timeout=400)
+    text = output_of(tmp_path)
+    thread.join(timeout=10)
+    assert client.returncode not in (0, 1, 2, 3, 75), text[-3000:]
+    assert re.findall(r"^ATTEMPT (\d/3) after exit", text, re.M) == ["2/3", "3/3"]
+    assert re.search(r"^END .* exit=\d+ gave up after 3 attempts \(rank 1 ended without an exit code.*MAX_RESTARTS=2\)$",
+                     text, re.M), text[-2000:]
+    assert "to continue from the newest checkpoint" in text
+
+
+@pytest.mark.parametrize("args, code", [(["--epochs", "0"], 2), (["--lr", "1e5", "--epochs", "1"], 3)],
+                         ids=["usage-error", "diverged"])
+def test_usage_errors_and_divergence_are_not_retried(one_node, tmp_path, args, code):
+    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"], [*FAST, *args])
+    _, out = finish(client, tmp_path, code=code)
+    assert "ATTEMPT" not in out and out.count("PREFLIGHT") == 1
+    assert re.search(rf"^END .* exit={code}$", out, re.M)
+
+
+def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path):
+    client = two_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                              [*FAST, "--epochs", "6"], LAUNCHER="torchrun", RUN_NAME="elastic")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    killed = signal_rank("elastic", 1, signal.SIGKILL)
+    resumed = wait_for(tmp_path, r"^0: resumed from ")
+    _, out = finish(client, tmp_path)
+    print(f"\ntorchrun: SIGKILL to training resumed {resumed - killed:.1f} s; steps lost {lost_steps(out)}")
+    assert re.search(r"^0: resumed from \S+: epoch \d, step \d+ \(attempt 2/4, requeued 0x\)", out, re.M), out[-3000:]
+    assert re.search(r"^END .* exit=0$", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "elastic")] == list(range(1, 7))
+
+
+def test_a_lost_node_requeues_the_job_onto_the_nodes_left(three_nodes, tmp_path):
+    """A 2-node job loses its second node (slurmd, the step's daemon and the rank: every
+    process in that node's namespace, SIGKILLed). Slurm declares the node down and
+    requeues the job (--requeue), which reruns on the other two nodes and resumes."""
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                                [*FAST, "--epochs", "6"], RUN_NAME="survivor")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    node = re.search(r"^1: \[rank 1/2\] (\S+) ", output_of(tmp_path), re.M).group(1)
+    pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run(["kill", "-9", *pids], check=True)
+    lost = time.monotonic()
+    resumed = wait_for(tmp_path, r"^0: resumed from ", timeout=300)
+    job_id, out = finish(client, tmp_path)
+    print(f"\nnode lost to training again on the nodes left: {resumed - lost:.1f} s")
+    assert re.search(rf"^START .* job={job_id} restart=1 nodes=\S+ ", out, re.M)
+    rerun_nodes = re.findall(r"^START .* restart=1 nodes=(\S+) ", out, re.M)[0]
+    assert node not in subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "scontrol", "show", "hostnames",
+                                       rerun_nodes], env=three_nodes.env, capture_output=True, text=True).stdout.split()
+    assert re.search(r"^0: resumed from .*\(attempt 1/4, requeued 1x\)", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "survivor")] == list(range(1, 7))
