@@ -4,7 +4,8 @@
 #
 # Usage:
 #   local-slurm.sh install              install Debian's slurmctld slurmd slurm-client munge
-#                                       (and shellcheck, dataset-fashion-mnist) where missing
+#                                       (and, for the tests, shellcheck, openssh-server and
+#                                       dataset-fashion-mnist) where missing
 #   local-slurm.sh start DIR [NODES]    start a cluster whose files all live under DIR:
 #                                       NODES=1 (default): one node on the host's network;
 #                                       NODES>1: NODES nodes, each slurmd in a network namespace
@@ -42,6 +43,7 @@ install_packages() {
     command -v sbatch >/dev/null || missing+=(slurm-client)
     command -v munged >/dev/null || missing+=(munge)
     command -v shellcheck >/dev/null || missing+=(shellcheck)
+    [[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)  # the tests' SSH tunnel to a compute node
     [[ -d /usr/share/datasets/fashion-mnist ]] || missing+=(dataset-fashion-mnist)
     (( ${#missing[@]} )) || return 0
     need_root

@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
+#SBATCH --job-name=tensorboard          # as a job: sbatch tensorboard.sh [--logdir DIR]
+#SBATCH --ntasks=1                      # one process, one CPU: TensorBoard only reads files
+#SBATCH --cpus-per-task=1
+#SBATCH --mem=2G
+#SBATCH --time=04:00:00                 # scancel JOBID stops it sooner
+#SBATCH --output=tensorboard-%j.out     # the tunnel command and URL are at its top
+#
 # tensorboard.sh: TensorBoard on the runs of mnist_ddp.py, reloading every second, bound to
 # 127.0.0.1, which you reach through an SSH tunnel. That keeps it off the network, not
 # private: TensorBoard has no password, and anyone logged in to the same machine can open
 # 127.0.0.1:PORT too. On a shared login node, prefer running it on a compute node inside a
 # job, or at least --port random. Runs in the foreground; Ctrl-C stops it.
+#
+# As a Slurm job (the #SBATCH lines above do nothing when you run it directly):
+#   sbatch tensorboard.sh [--logdir DIR]     then: head tensorboard-<jobid>.out
+# runs it on a compute node on a free random port and writes the two-hop ssh tunnel
+# (through the login node you submitted from, or LOGIN_HOST) and the URL at the top of
+# its output file. scancel or the time limit stop it.
 #
 # Usage: tensorboard.sh [--logdir DIR] [--port N] [--bind-all] [-- extra tensorboard options]
 #   --logdir DIR   directory holding the run directories     [LOG_DIR, else ./runs]
@@ -14,7 +27,8 @@
 # Variables:
 #   LOG_DIR        as --logdir
 #   PORT           as --port
-#   VENV           virtual environment to activate  [./.venv when tensorboard is not on PATH]
+#   VENV           virtual environment to activate, when tensorboard is not on the PATH
+#                  [./.venv, else the .venv beside this file, found from any directory]
 #   LOGIN_HOST     login node for the tunnel command on compute nodes  [SLURM_SUBMIT_HOST]
 #
 # It prints the ssh command to run on your own computer, then the URL to open there.
@@ -25,6 +39,13 @@ usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
 logdir=${LOG_DIR:-runs}
 port=${PORT:-6006}
+if [[ -n ${SLURM_JOB_ID:-} && -z ${PORT:-} ]]; then port=random; fi  # in a job: not a port others guess
+# Where this file lives, also as a batch job: Slurm runs a copy, scontrol names the original.
+here=$(cd "$(dirname "$0")" && pwd)
+if [[ -n ${SLURM_JOB_ID:-} && ! -f $here/mnist_ddp.py ]]; then
+    original=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | sed -n '1s/.* Command=\([^ ]*\).*/\1/p' || true)
+    if [[ -n $original ]]; then here=$(dirname "$original"); fi
+fi
 host=127.0.0.1
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -39,7 +60,7 @@ while [[ $# -gt 0 ]]; do
         *) die "unknown option '$1'; see tensorboard.sh --help" ;;
     esac
 done
-if [[ $port == random ]]; then port=$((20000 + RANDOM % 10000)); fi
+if [[ $port == random ]]; then port=$((20000 + RANDOM % 10000)); fi  # then the next free one, below
 if [[ ! $port =~ ^[0-9]+$ ]] || (( port < 1024 || port > 65535 )); then
     die "--port must be a number from 1024 to 65535 or 'random', got '$port'"
 fi
@@ -47,6 +68,7 @@ fi
 
 if ! command -v tensorboard >/dev/null 2>&1; then
     venv=${VENV:-.venv}
+    if [[ -z ${VENV:-} && ! -f $venv/bin/activate ]]; then venv=$here/.venv; fi
     [[ -f $venv/bin/activate ]] || die "tensorboard is not installed here: activate the virtual environment" \
         "(source .venv/bin/activate, or set VENV=path) or run: pip install -r requirements.txt"
     # shellcheck disable=SC1091  # the user's environment

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""sweep.py: many runs of mnist_ddp.py at once, as one Slurm job array, and one table of
+how they did.
+
+A sweep is a text file of option lines for mnist_ddp.py, one line per run; write it by
+hand or let `grid` write the combinations. Blank lines and lines starting with # are not
+runs.
+
+  python sweep.py grid --lr 1e-3 3e-3 --batch-size 64 128 --epochs 4 > sweeps/lr-bs.txt
+      every combination of the listed values, one line each (an option with one value
+      goes on every line)
+  python sweep.py submit sweeps/lr-bs.txt [--parallel N] [sbatch options]
+      copies the file to runs/lr-bs/sweep.txt and submits one array job,
+      sbatch --array=0-3%N run_training.sbatch, whose task i trains line i+1 in its own
+      run directory runs/lr-bs/<the options that vary>, with its own output file
+      lr-bs-<array id>_<task>.out, port and requeue
+  python sweep.py run sweeps/lr-bs.txt
+      the same runs one after another on this machine, without Slurm
+  python sweep.py summary runs/lr-bs [--json]
+      the runs as a table, best test accuracy first: the options that vary, accuracy,
+      losses, epochs done, wall time and state (done, running, requeued, pending,
+      failed with its exit code, diverged); it reads only the run directories, so it
+      works while the sweep runs and from a login node
+
+Settings, as environment variables: LOG_DIR (the directory that holds sweep
+directories, [./runs]), PYTHON (for `run` [this interpreter]); `submit` passes the
+environment on to run_training.sbatch (VENV, DATA_DIR, MAX_RESTARTS, ...).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROG = "sweep.py"
+
+
+class SweepError(Exception):
+    """One line on stderr and exit code 2."""
+
+
+# ----------------------------------------------------------------------------- option lines
+
+def read_lines(path: Path) -> list[list[str]]:
+    """The runs of a sweep file: each non-blank line that is not a comment, split as a shell would."""
+    if not path.is_file():
+        raise SweepError(f"{path}: no such sweep file; write one option line per run, or: python sweep.py grid ... > {path}")
+    runs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                runs.append(shlex.split(line))
+            except ValueError as err:
+                raise SweepError(f"{path}:{number}: {err}") from None
+    if not runs:
+        raise SweepError(f"{path} holds no option lines")
+    return runs
+
+
+def as_options(args: list[str]) -> dict[str, str]:
+    """'--lr 1e-3 --amp' -> {'lr': '1e-3', 'amp': ''}; the last of a repeated option wins."""
+    options, i = {}, 0
+    while i < len(args):
+        if not args[i].startswith("--"):
+            raise SweepError(f"expected an --option, got {args[i]!r} in: {shlex.join(args)}")
+        name, eq, value = args[i][2:].partition("=")
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, i = args[i + 1], i + 1
+        options[name] = value
+        i += 1
+    return options
+
+
+def varying(runs: list[list[str]]) -> list[str]:
+    """The options whose values are not the same on every line, in order of appearance."""
+    parsed = [as_options(run) for run in runs]
+    names = list(dict.fromkeys(name for options in parsed for name in options))
+    return [name for name in names if len({options.get(name) for options in parsed}) > 1]
+
+
+def run_name(args: list[str], varied: list[str], index: int) -> str:
+    """A directory name that tells the runs apart: the varied options, as lr=1e-3,batch-size=64."""
+    options = as_options(args)
+    parts = [f"{name}={options[name]}" if options.get(name) else name for name in varied if name in options]
+    name = re.sub(r"[^\w.+=,@-]", "_", ",".join(parts))[:120]
+    return name or f"task-{index}"
+
+
+def names_of(runs: list[list[str]]) -> list[str]:
+    varied = varying(runs)
+    names = [run_name(run, varied, i) for i, run in enumerate(runs)]
+    return [name if names.count(name) == 1 else f"{i}-{name}" for i, name in enumerate(names)]
+
+
+def grid(args: list[str]) -> list[str]:
+    """'--lr 1e-3 3e-3 --amp --epochs 4' -> one line per combination of the listed values."""
+    axes: list[tuple[str, list[str]]] = []
+    for arg in args:
+        if arg.startswith("--"):
+            axes.append((arg, []))
+        elif not axes:
+            raise SweepError(f"grid: values must follow an --option, got {arg!r} first")
+        else:
+            axes[-1][1].append(arg)
+    if not axes:
+        raise SweepError("grid: nothing to combine; e.g. python sweep.py grid --lr 1e-3 3e-3 --batch-size 64 128")
+    choices = [[[flag, value] for value in values] or [[flag]] for flag, values in axes]
+    return [shlex.join([word for pair in combo for word in pair]) for combo in itertools.product(*choices)]
+
+
+# ----------------------------------------------------------------------------- launching
+
+def sweep_dir_for(sweep_file: Path, log_dir: Path) -> Path:
+    return log_dir / re.sub(r"[^\w.+=,@-]", "_", sweep_file.stem)
+
+
+def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
+    runs = read_lines(sweep_file)
+    sweep_dir = sweep_dir_for(sweep_file, Path(os.environ.get("LOG_DIR", "runs")))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    copy = sweep_dir / "sweep.txt"
+    if copy.exists() and read_lines(copy) != runs:
+        raise SweepError(f"{copy} holds other option lines: this sweep ran with them; rename {sweep_file} to start "
+                         "another sweep, or delete that directory")
+    shutil.copyfile(sweep_file, copy)  # the tasks read this copy: editing the original later changes nothing
+    if shutil.which("sbatch") is None:
+        raise SweepError("sbatch is not on the PATH; on a machine without Slurm use: python sweep.py run " + str(sweep_file))
+    array = f"0-{len(runs) - 1}" + (f"%{parallel}" if parallel else "")
+    cmd = ["sbatch", f"--array={array}", f"--job-name={sweep_dir.name}", f"--output={sweep_dir.name}-%A_%a.out",
+           *sbatch_options, str(HERE / "run_training.sbatch")]
+    env = {**os.environ, "SWEEP_FILE": str(copy.resolve()), "LOG_DIR": str(sweep_dir.resolve())}
+    print(f"{len(runs)} runs in {sweep_dir}: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    return subprocess.run(cmd, env=env).returncode
+
+
+def run_locally(sweep_file: Path) -> int:
+    """One run after another in this process's environment, each in its own run directory."""
+    runs = read_lines(sweep_file)
+    log_dir = Path(os.environ.get("LOG_DIR", "runs"))
+    sweep_dir = sweep_dir_for(sweep_file, log_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(sweep_file, sweep_dir / "sweep.txt")
+    python = os.environ.get("PYTHON", sys.executable)
+    failed = []
+    for i, (name, args) in enumerate(zip(names_of(runs), runs, strict=True)):
+        print(f"== run {i + 1}/{len(runs)}: {name}", flush=True)
+        code = subprocess.run([python, str(HERE / "mnist_ddp.py"), *args, "--log-dir", str(sweep_dir), "--run-name", name]).returncode
+        if code:
+            failed.append(f"{name} (exit {code})")
+    print(summary_table(collect(sweep_dir)))
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def task(sweep_file: Path, index: int) -> list[str]:
+    """For run_training.sbatch: the run name of array task `index`, then its options, one per line."""
+    runs = read_lines(sweep_file)
+    if not 0 <= index < len(runs):
+        raise SweepError(f"array task {index} has no line in {sweep_file} ({len(runs)} runs): submit with --array=0-{len(runs) - 1}")
+    return [names_of(runs)[index], *runs[index]]
+
+
+# ----------------------------------------------------------------------------- summary
+
+STATES = {0: "done", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)", 4: "failed (exit 4: lost a peer)",
+          75: "stopped (exit 75)"}
+
+
+def run_state(run_dir: Path) -> str:
+    if not run_dir.is_dir():
+        return "pending"
+    code_file = run_dir / "exit-code"
+    if code_file.exists():
+        code = int(code_file.read_text().strip() or 1)
+        return STATES.get(code, f"failed (exit {code})")
+    started = run_dir / "run.json"  # mnist_ddp.py writes it as each attempt starts
+    requeues = json.loads(started.read_text())["environment"].get("slurm_requeues", 0) if started.exists() else 0
+    return f"requeued ({requeues}x), running" if requeues else "running"
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    """What every run of the sweep wrote so far; runs the sweep file names but that have not started are pending."""
+    if not sweep_dir.is_dir():
+        raise SweepError(f"{sweep_dir}: no such sweep directory; pass LOG_DIR/NAME, e.g. runs/lr-bs")
+    sweep_file = sweep_dir / "sweep.txt"
+    runs = read_lines(sweep_file) if sweep_file.exists() else []
+    varied = varying(runs) if runs else []
+    names = names_of(runs) if runs else sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").exists()
+                                               or (p / "exit-code").exists() or (p / "exit-codes").exists())
+    rows = []
+    for i, name in enumerate(names):
+        run_dir = sweep_dir / name
+        metrics_file = run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+        last = records[-1] if records else {}
+        options = as_options(runs[i]) if runs else {}
+        rows.append({"run": name, "options": {k: options.get(k) for k in varied},
+                     "test_accuracy": last.get("test_accuracy"), "test_loss": last.get("test_loss"),
+                     "train_loss": last.get("train_loss"), "epochs": last.get("epoch", 0),
+                     "wall_s": round(sum(r.get("epoch_s", 0) for r in records), 1), "state": run_state(run_dir)})
+    rows.sort(key=lambda r: (r["test_accuracy"] is None, -(r["test_accuracy"] or 0)))
+    return rows
+
+
+def summary_table(rows: list[dict]) -> str:
+    varied = list(rows[0]["options"]) if rows else []
+    header = ["#", *varied, "test acc", "test loss", "train loss", "epochs", "wall s", "state", "run"]
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+    lines = [header]
+    for n, r in enumerate(rows, 1):
+        lines.append([str(n), *(str(r["options"][k] if r["options"][k] is not None else "-") for k in varied),
+                      "-" if r["test_accuracy"] is None else f"{100 * r['test_accuracy']:.2f}%",
+                      fmt(r["test_loss"], ".4f"), fmt(r["train_loss"], ".4f"), str(r["epochs"]), f"{r['wall_s']:.1f}",
+                      r["state"], r["run"]])
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("grid", help="print every combination of the listed option values: --lr 1e-3 3e-3 --epochs 4")
+    p = commands.add_parser("submit", help="submit the sweep file as one Slurm job array; other options go to sbatch")
+    p.add_argument("sweep_file", type=Path)
+    p.add_argument("--parallel", type=int, default=0, help="at most N tasks at once (sbatch --array=...%%N; 0: no limit)")
+    commands.add_parser("run", help="run the sweep file's runs one after another here").add_argument("sweep_file", type=Path)
+    p = commands.add_parser("summary", help="the runs of a sweep directory, best first")
+    p.add_argument("sweep_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="the same data as JSON")
+    p = commands.add_parser("task", help="(for run_training.sbatch) the run name and options of one array task")
+    p.add_argument("sweep_file", type=Path)
+    p.add_argument("index", type=int)
+    # grid's options and submit's sbatch options are not ours to know: they come back unparsed.
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in ("grid", "submit"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "grid":
+            print("\n".join(grid(rest)))
+        elif args.command == "submit":
+            if args.parallel < 0:
+                raise SweepError(f"--parallel must be 0 (no limit) or more, got {args.parallel}")
+            return submit(args.sweep_file, args.parallel, rest)
+        elif args.command == "run":
+            return run_locally(args.sweep_file)
+        elif args.command == "summary":
+            rows = collect(args.sweep_dir)
+            print(json.dumps(rows, indent=1) if args.json else summary_table(rows))
+        elif args.command == "task":
+            print("\n".join(task(args.sweep_file, args.index)))
+        return 0
+    except SweepError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
