@@ -1171,6 +1171,9 @@ HPARAMS = {"lr": float, "weight_decay": float, "batch_size": int, "global_batch"
            "dropout": float, "seed": int, "world_size": int, "amp": bool}
 HPARAM_METRICS = {"test/accuracy": "test accuracy", "test/loss": "test loss", "train/loss": "train loss",
                   "time/seconds_to_best": "seconds to the best epoch"}
+# The tab lists the hparams marked as differing first and shows the first five: a sweep
+# marks the options it varies (sweep.py); a log directory of single runs, these.
+USUAL_HPARAMS = ("lr", "batch_size", "global_batch", "weight_decay", "epochs")
 
 
 def hparams_summary(tag: str, **content) -> Summary:
@@ -1179,14 +1182,15 @@ def hparams_summary(tag: str, **content) -> Summary:
     return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
 
 
-def declare_hparams(log_dir: Path) -> None:
+def declare_hparams(log_dir: Path, first: tuple[str, ...] = USUAL_HPARAMS) -> None:
     """Write the experiment (which options and metrics the tab shows) once per log directory."""
     types = {float: api_pb2.DATA_TYPE_FLOAT64, int: api_pb2.DATA_TYPE_FLOAT64, str: api_pb2.DATA_TYPE_STRING,
              bool: api_pb2.DATA_TYPE_BOOL}
-    infos = [api_pb2.HParamInfo(name=name, type=types[kind]) for name, kind in HPARAMS.items()]
+    infos = [api_pb2.HParamInfo(name=name, type=types[kind], differs=name in first) for name, kind in HPARAMS.items()]
     infos[list(HPARAMS).index("model")].domain_discrete.extend(MODELS)
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name) for tag, name in HPARAM_METRICS.items()]
     try:
+        log_dir.mkdir(parents=True, exist_ok=True)
         os.close(os.open(log_dir / ".hparams-declared", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return  # another run of this directory (an array task) did it

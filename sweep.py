@@ -121,6 +121,16 @@ def sweep_dir_for(sweep_file: Path, log_dir: Path) -> Path:
     return log_dir / re.sub(r"[^\w.+=,@-]", "_", sweep_file.stem)
 
 
+def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
+    """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
+    sys.path.insert(0, str(HERE))
+    import mnist_ddp  # here, not at the top: summary must work without torch
+    varied = [name.replace("-", "_") for name in varying(runs)]
+    varied += ["global_batch"] if "batch_size" in varied else []
+    first = tuple(name for name in varied if name in mnist_ddp.HPARAMS) or mnist_ddp.USUAL_HPARAMS
+    mnist_ddp.declare_hparams(sweep_dir, first)
+
+
 def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
     runs = read_lines(sweep_file)
     sweep_dir = sweep_dir_for(sweep_file, Path(os.environ.get("LOG_DIR", "runs")))
@@ -130,6 +140,7 @@ def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
         raise SweepError(f"{copy} holds other option lines: this sweep ran with them; rename {sweep_file} to start "
                          "another sweep, or delete that directory")
     shutil.copyfile(sweep_file, copy)  # the tasks read this copy: editing the original later changes nothing
+    declare_hparams(sweep_dir, runs)
     if shutil.which("sbatch") is None:
         raise SweepError("sbatch is not on the PATH; on a machine without Slurm use: python sweep.py run " + str(sweep_file))
     array = f"0-{len(runs) - 1}" + (f"%{parallel}" if parallel else "")
@@ -147,6 +158,7 @@ def run_locally(sweep_file: Path) -> int:
     sweep_dir = sweep_dir_for(sweep_file, log_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(sweep_file, sweep_dir / "sweep.txt")
+    declare_hparams(sweep_dir, runs)
     python = os.environ.get("PYTHON", sys.executable)
     failed = []
     for i, (name, args) in enumerate(zip(names_of(runs), runs, strict=True)):

@@ -26,8 +26,9 @@ def run_sweep(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> s
                           text=True, timeout=timeout)
 
 
-def hparams_sessions(logdir: Path) -> list[dict]:
-    """The HParams tab's sessions, from a real TensorBoard on logdir (started and stopped here)."""
+def hparams_sessions(logdir: Path, first: list[str] | None = None) -> list[dict]:
+    """The HParams tab's sessions, from a real TensorBoard on logdir (started and stopped here);
+    checks that the tab lists the hparams `first` (those the sweep varies) before the rest."""
     port = free_port()
     server = subprocess.Popen([str(ROOT / "tensorboard.sh"), "--logdir", str(logdir), "--port", str(port)],
                               env=clean_env(PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin"),
@@ -52,7 +53,12 @@ def hparams_sessions(logdir: Path) -> list[dict]:
     finally:
         server.terminate()
         server.communicate(timeout=30)
-    assert [h["name"] for h in experiment["hparamInfos"]] == sorted(sweep_hparams())
+    names = [h["name"] for h in experiment["hparamInfos"]]
+    assert sorted(names) == sorted(sweep_hparams())
+    if first is not None:
+        assert names[:len(first)] == first, names
+    assert [m["name"]["tag"] for m in experiment["metricInfos"]] == ["test/accuracy", "test/loss", "train/loss",
+                                                                      "time/seconds_to_best"]
     return [{"name": g["name"], "hparams": g["hparams"],
              "metrics": {m["name"]["tag"]: m["value"] for m in g["metricValues"]}} for g in groups]
 
@@ -93,7 +99,7 @@ def test_a_sweep_runs_locally_and_its_summary_ranks_the_runs(tmp_path):
     rows = json.loads(run_sweep(["summary", str(sweep_dir), "--json"], tmp_path).stdout)
     assert [r["run"] for r in rows] == ["lr=3e-3", "lr=1e-5"] and rows[0]["options"] == {"lr": "3e-3"}
     assert rows[0]["test_accuracy"] > rows[1]["test_accuracy"] and rows[0]["epochs"] == 1 and rows[0]["state"] == "done"
-    sessions = hparams_sessions(sweep_dir)
+    sessions = hparams_sessions(sweep_dir, first=["lr"])
     assert sorted(s["name"] for s in sessions) == ["lr=1e-5", "lr=3e-3"]
 
 
@@ -141,7 +147,7 @@ def test_a_two_by_two_sweep_as_a_throttled_job_array(two_nodes, tmp_path):
     assert accuracies == sorted(accuracies, reverse=True) and all(r["epochs"] == 1 for r in rows)
     table = run_sweep(["summary", str(sweep_dir)], tmp_path).stdout.splitlines()
     assert table[0].split()[:3] == ["#", "lr", "batch-size"] and len(table) == 5
-    sessions = hparams_sessions(sweep_dir)
+    sessions = hparams_sessions(sweep_dir, first=["batch_size", "global_batch", "lr"])
     assert {s["name"] for s in sessions} == names
     for s in sessions:
         lr, bs = re.match(r"lr=(\S+),batch-size=(\d+)", s["name"]).groups()
