@@ -21,5 +21,15 @@ def test_benchmark_quick_run(tmp_path):
     for part in ("reference", "default"):
         assert report[part]["images_per_s"] > 0 and report[part]["peak_rss_mb"] > 0
     assert report["default"]["overhead"] > 0 and report["scaling"]["ratio"] > 0
+    for part in ("reference", "default"):  # counted from process start; the epoch each side crossed, if it did
+        assert "crossed_at_epoch" in report[part] and all(e["since_start_s"] > 0 for e in report[part]["epochs"])
     table = (tmp_path / "out" / "bench.md").read_text()
-    assert "| time to " in table and "| scaling: 2 ranks x 1 thread / 1 rank x 2 threads, 128 images per rank |" in table
+    assert "| time to " in table and "from process start |" in table and "| scaling: 2 ranks x 1 thread / 1 rank x 2 threads, 128 images per rank |" in table
+
+
+def test_gpu_mode_says_when_there_is_no_gpu(tmp_path):
+    """--gpu on a machine without one: one line and a non-zero exit, before any run."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--gpu", "--quick", "--out",
+                             str(tmp_path / "out")], env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0 and "bench.py: --gpu needs a CUDA GPU, and torch sees none" in result.stderr

@@ -40,7 +40,7 @@ def test_stopped_run_prints_the_command_that_continues_it(workdir):
     assert command[-2:] == ["--run-name", run_dir.name]  # the timestamped run, named
     again = subprocess.run(command, cwd=workdir, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert_ok(again)
-    assert f"resumed from runs/{run_dir.name}/checkpoints/ckpt-00000005.pt: epoch 1, step 5" in again.stdout
+    assert f"resumed from runs/{run_dir.name}/checkpoints/ckpt-00000006.pt: epoch 1, step 6" in again.stdout  # one step later
     assert [p for p in (workdir / "runs").iterdir() if p.is_dir()] == run_dirs  # no second run directory
     assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
     assert (run_dir / "exit-code").read_text() == "0\n"
@@ -91,14 +91,15 @@ def test_divergence_advice_runs_as_printed(workdir):
 
 def test_signal_during_start_up_is_kept(workdir):
     """Rank 0 is signalled while it waits for rank 1 (or still imports torch): it must not
-    die, and both ranks stop at their first step boundary with a checkpoint."""
+    die, and both ranks stop with a checkpoint at the second step boundary, where they read the
+    first step's agreement."""
     procs = run_as_srun(2, [*FAST, "--run-dir", "run"], cwd=workdir, job_id="", detach=True)
     first, second = procs
     time.sleep(2.0)
     first.send_signal(signal.SIGUSR1)
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], results[0][1][-2000:]
-    assert "stopping on SIGUSR1 at step 1: saved run/checkpoints/ckpt-00000001.pt" in results[0][0]
+    assert "stopping on SIGUSR1 at step 2: saved run/checkpoints/ckpt-00000002.pt" in results[0][0]  # agreed at step 2
 
 
 def fake_scontrol(directory: Path, body: str) -> dict[str, str]:

@@ -131,6 +131,18 @@ def test_which_outcomes_the_batch_file_retries(tmp_path, srun_status, codes, sta
     assert not retry or why
 
 
+@pytest.mark.parametrize("message, lost", [
+    ("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:5525", True),   # a peer killed
+    ("Read error [10.231.19.12]:34966: Connection reset by peer", True),
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete", True),
+    ("Application timeout caused pair closure", True),                                         # a peer hung (SIGSTOP)
+    ("size mismatch for classifier.2.weight", False),                                          # our own bug
+])
+def test_which_errors_mean_a_lost_peer(message, lost):
+    """The words Gloo used in these tests' runs for a dead or frozen peer; anything else is a bug."""
+    assert mnist_ddp.is_lost_peer(RuntimeError(message)) is lost
+
+
 def test_checkpoint_clock_with_a_fake_clock():
     now = [100.0]
     clock = mnist_ddp.CheckpointClock(2.5, clock=lambda: now[0])
@@ -151,16 +163,17 @@ def _agreement(rank: int, init: str, result: dict) -> None:
     stop = mnist_ddp.StopSignals()
     stop.restore()
     loss = torch.tensor(0.5)
-    first = mnist_ddp.agree_on_step(stop, loss, clock, rt)
+    agree = lambda: mnist_ddp.read_agreement(mnist_ddp.start_agreement(stop, loss, clock, rt))  # noqa: E731
+    first = agree()
     if rank == 0:
         now[0] = 61.0  # only rank 0's clock has passed the minute
-    second = mnist_ddp.agree_on_step(stop, loss, clock, rt)
+    second = agree()
     progress = mnist_ddp.Progress(epoch=3, step=77)
     if rank == 1:
         dist.destroy_process_group()
         os._exit(0)  # rank 1 dies: rank 0's next collective loses it
     try:
-        mnist_ddp.agree_on_step(stop, loss, clock, rt)
+        agree()
         lost = "no error"
     except Exception as err:  # what main() sees
         lost = mnist_ddp.lost_peer_message(err, progress) if mnist_ddp.is_lost_peer(err) else f"not a lost peer: {err!r}"
@@ -179,11 +192,43 @@ def test_ranks_agree_on_a_checkpoint_due_by_time_and_name_a_lost_peer(tmp_path):
         p.start()
     for p in procs:
         p.join(timeout=120)
-    assert result["first"] == (False, False, False)
-    assert result["second"] == (False, False, True)
+    assert result["first"] == mnist_ddp.Verdict(stopping=False, diverged=False, ckpt_due=False)
+    assert result["second"] == mnist_ddp.Verdict(stopping=False, diverged=False, ckpt_due=True)
     assert result["lost"].startswith("lost contact with another rank during the per-step agreement "
                                      "(stop, divergence, checkpoint time) at step 77 (epoch 3): a peer probably died or hung ("), \
         result["lost"]
+
+
+def _lagged_stop(rank: int, init: str, result: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    rt = mnist_ddp.Runtime(rank, rank, 2, torch.device("cpu"), "gloo", rank == 0)
+    clock, stop = mnist_ddp.CheckpointClock(0), mnist_ddp.StopSignals()
+    stop.restore()
+    pending, seen = None, []
+    for step in range(1, 7):  # as main() does after each training step
+        earlier = mnist_ddp.read_agreement(pending) if pending else mnist_ddp.Verdict()
+        if rank == 1 and step == 3:
+            stop.received = signal.SIGUSR1  # arrives on rank 1 only, during step 3
+        pending = mnist_ddp.start_agreement(stop, torch.tensor(1.0 if step != 5 else float("nan")), clock, rt)
+        seen.append((step, earlier.stopping, earlier.diverged))
+    result[rank] = seen
+    dist.destroy_process_group()
+
+
+def test_the_per_step_agreement_lands_one_step_later_on_every_rank(tmp_path):
+    """The flags of step N are reduced while step N+1 runs and read after it: a signal on
+    rank 1 during step 3 stops both ranks after step 4; rank 0 learns of a loss that went
+    non-finite at step 5 after step 6, like rank 1."""
+    result = mp.Manager().dict()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=_lagged_stop, args=(rank, init, result)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    expected = [(1, False, False), (2, False, False), (3, False, False), (4, True, False), (5, True, False),
+                (6, True, True)]
+    assert result[0] == result[1] == expected
 
 
 def test_torchrun_workers_hide_unfixable_codes_from_the_agent(monkeypatch, tmp_path):
@@ -248,7 +293,7 @@ def test_a_hung_rank_is_detected_after_the_timeout_and_the_job_heals(one_node, t
                              [*FAST, "--dist-timeout", "20"], RUN_NAME="frozen")
     wait_for(tmp_path, r"^0: epoch   1 \|")
     stopped = signal_rank("frozen", 1, signal.SIGSTOP)
-    noticed = wait_for(tmp_path, r"error: lost contact with another rank during .*Timed out")
+    noticed = wait_for(tmp_path, r"error: lost contact with another rank during .*(Timed out|timeout)")
     print(f"\nhang (SIGSTOP) detected after {noticed - stopped:.1f} s at --dist-timeout 20")
     _, out = finish(client, tmp_path)
     assert re.search(r"^ATTEMPT 2/4 after exit \d+ ", out, re.M)

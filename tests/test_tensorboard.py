@@ -88,7 +88,8 @@ def test_server_shows_the_runs_scalars_and_points(logdir):
             return get_json(port, f"/data/plugin/scalars/scalars?run={run}&tag={urllib.request.quote(tag, safe='')}")
         assert [p[1] for p in points("a", "test/accuracy")] == [32, 60]
         assert [p[1] for p in points("a", "train/batch_loss")] == [10, 20, 30, 40, 50, 60]
-        # c was stopped after step 25 and resumed from its checkpoint there: every step once.
+        # c was stopped at step 25 (a checkpoint step reads its own agreement) and resumed from
+        # its checkpoint there: every step once.
         assert [p[1] for p in points("c", "train/batch_loss")] == [10, 20, 30, 40, 50, 60]
         assert [p[1] for p in points("c", "test/accuracy")] == [32, 60]
         assert get_json(port, "/data/plugin/scalars/scalars?run=a&tag=test%2Faccuracy")[-1][2] > 0.5
