@@ -758,11 +758,13 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, decay: float):
         self.model, self.decay = copy.deepcopy(model).requires_grad_(False), decay
+        # Loading a checkpoint copies into these tensors, so the lists stay valid.
+        self.mine, self.theirs = list(self.model.parameters()), list(model.parameters())
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
+    def update(self, step: int) -> None:
         weight = 1 - min(self.decay, (1 + step) / (10 + step))
-        torch._foreach_lerp_(list(self.model.parameters()), list(model.parameters()), weight)
+        torch._foreach_lerp_(self.mine, self.theirs, weight)
 
     @torch.no_grad()
     def copy_buffers(self, model: nn.Module) -> None:
@@ -1488,6 +1490,14 @@ def main(argv: list[str] | None = None) -> int:
         interrupt_step, interrupt_signal = (config.interrupt_at.split(":") + [""])[:2]
         ckpt_clock, pending = CheckpointClock(config.ckpt_minutes), None
 
+        def this_step() -> Verdict:
+            """This step's agreement, waited for: before a checkpoint and at an epoch's end."""
+            nonlocal pending
+            now, pending = read_agreement(pending), None
+            if now.diverged:  # before any checkpoint could take the bad weights
+                raise diverged("the loss stopped being finite")
+            return now
+
         def checkpoint() -> Path:
             try:
                 path = save_checkpoint(run_dir, config, rt, raw_model, optimizer, progress, loss_sum, average)
@@ -1523,7 +1533,7 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = normalize(train_set.images[idx], config.dataset, config.channels_last), train_set.labels[idx]
                 loss = train_step(model, optimizer, lr_at(progress.step, total_steps, config.lr), x, y, config.amp)
                 if average:
-                    average.update(raw_model, progress.step)
+                    average.update(progress.step)
                 loss_sum[0] += loss * len(idx)
                 loss_sum[1] += len(idx)
                 progress.step, progress.step_in_epoch = progress.step + 1, k + 1
@@ -1537,22 +1547,16 @@ def main(argv: list[str] | None = None) -> int:
                     raise diverged("the loss stopped being finite", progress.step - 1)
                 logger.step(progress.step, loss, progress.epoch, k + 1, steps_per_epoch)
                 if earlier.stopping or earlier.ckpt_due or (config.ckpt_every and progress.step % config.ckpt_every == 0):
-                    now, pending = read_agreement(pending), None  # this step's too: saving waits anyway
-                    if now.diverged:
-                        raise diverged("the loss stopped being finite")
+                    now = this_step()  # saving waits for the step anyway
                     path = checkpoint()
                     if earlier.stopping or now.stopping:
                         code = stop_here(path)
                         return code
                 if progress.step >= total_steps:
                     break
-            if pending:  # the epoch's last step
-                now, pending = read_agreement(pending), None
-                if now.diverged:
-                    raise diverged("the loss stopped being finite")
-                if now.stopping:
-                    code = stop_here(checkpoint())
-                    return code
+            if pending and this_step().stopping:  # the epoch's last step
+                code = stop_here(checkpoint())
+                return code
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             train_seconds = time.perf_counter() - started

@@ -131,7 +131,9 @@ def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     mnist_ddp.declare_hparams(sweep_dir, first)
 
 
-def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
+def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
+    """(the runs, the sweep directory), with the file copied there as sweep.txt and the
+    HParams tab declared; a directory that ran other lines is refused."""
     runs = read_lines(sweep_file)
     sweep_dir = sweep_dir_for(sweep_file, Path(os.environ.get("LOG_DIR", "runs")))
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +143,12 @@ def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
                          "another sweep, or delete that directory")
     shutil.copyfile(sweep_file, copy)  # the tasks read this copy: editing the original later changes nothing
     declare_hparams(sweep_dir, runs)
+    return runs, sweep_dir
+
+
+def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
+    runs, sweep_dir = prepare(sweep_file)
+    copy = sweep_dir / "sweep.txt"
     if shutil.which("sbatch") is None:
         raise SweepError("sbatch is not on the PATH; on a machine without Slurm use: python sweep.py run " + str(sweep_file))
     array = f"0-{len(runs) - 1}" + (f"%{parallel}" if parallel else "")
@@ -153,12 +161,7 @@ def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
 
 def run_locally(sweep_file: Path) -> int:
     """One run after another in this process's environment, each in its own run directory."""
-    runs = read_lines(sweep_file)
-    log_dir = Path(os.environ.get("LOG_DIR", "runs"))
-    sweep_dir = sweep_dir_for(sweep_file, log_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(sweep_file, sweep_dir / "sweep.txt")
-    declare_hparams(sweep_dir, runs)
+    runs, sweep_dir = prepare(sweep_file)
     python = os.environ.get("PYTHON", sys.executable)
     failed = []
     for i, (name, args) in enumerate(zip(names_of(runs), runs, strict=True)):
