@@ -16,8 +16,8 @@ What it reaches (measured on 2 CPU cores; README.md "Benchmark" has the table an
   * bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 95.8-96.0 % test
     accuracy (seeds 0-2) in ~11 s on 2 CPU cores;
   * full Fashion-MNIST, defaults: 89.6 % after 2 epochs, 90.6 % after 3, 91.2 % after 8
-    (evaluated with the --ema average of the weights); 10.4x sooner to 90 % than the usual
-    DataLoader + ToTensor example loop, from process start (17.0 s against 176.8 s).
+    (evaluated with the --ema average of the weights); 8.8-10.4x sooner to 90 % than the
+    usual DataLoader + ToTensor example loop, from process start (18.0 s against 159.0 s).
 
 How to launch
   python mnist_ddp.py                                    # one process, bundled sample
