@@ -137,7 +137,8 @@ class Diverged(Exception):
 DATASETS = ("mnist-sample", "mnist", "fashion-mnist")
 # Options that set the course of training: a checkpoint resumes only a run with the same,
 # except that --allow-changes lets the CHANGEABLE ones differ.
-TRAJECTORY = ("dataset", "model", "epochs", "batch_size", "lr", "weight_decay", "dropout", "seed", "max_steps", "ema")
+TRAJECTORY = ("dataset", "model", "epochs", "batch_size", "lr", "weight_decay", "dropout", "label_smoothing", "shift",
+              "seed", "max_steps", "ema")
 CHANGEABLE = ("epochs", "max_steps", "lr", "weight_decay")
 MODELS = ("cnn", "mlp", "resnet18")
 
@@ -163,6 +164,11 @@ class Config:
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate of the one-cycle schedule (AdamW)"})
     weight_decay: float = field(default=5e-4, metadata={"help": "AdamW weight decay"})
     dropout: float = field(default=0.0, metadata={"help": "dropout before the classifier (cnn, mlp)"})
+    label_smoothing: float = field(default=0.1, metadata={
+        "help": "label smoothing of the training loss (the test loss stays plain cross-entropy)"})
+    shift: float = field(default=0.25, metadata={
+        "help": "fraction of the training images moved by one pixel in a random direction, drawn afresh each epoch "
+                "(0: no augmentation)"})
     ema: float = field(default=0.99, metadata={
         "help": "decay of an exponential moving average of the weights, which evaluation and model.pt use (0: off)"})
     seed: int = field(default=0, metadata={"help": "seed of weights and data order, the same on every rank"})
@@ -237,6 +243,8 @@ def check_config(c: Config) -> None:
     need(math.isfinite(c.lr) and c.lr > 0, f"--lr must be a positive number, got {c.lr}")
     need(math.isfinite(c.weight_decay) and c.weight_decay >= 0, f"--weight-decay must be 0 or more, got {c.weight_decay}")
     need(0 <= c.dropout < 1, f"--dropout must be in [0, 1), got {c.dropout}")
+    need(0 <= c.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {c.label_smoothing}")
+    need(0 <= c.shift <= 1, f"--shift must be in [0, 1], got {c.shift}")
     need(0 <= c.ema < 1, f"--ema must be in [0, 1) (0: off), got {c.ema}")
     need(c.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {c.max_steps}")
     need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
@@ -680,6 +688,28 @@ def normalize(images: torch.Tensor, dataset: str, channels_last: bool = False) -
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
+def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor | None:
+    """[2, n] int64: each training image's (down, right) move in {-1, 0, 1} this epoch, a
+    fraction of them moved one pixel in one of the 8 directions. A function of (seed,
+    epoch, image) alone, so any world size and any resume shift an image alike."""
+    if not fraction:
+        return None
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_777_777)
+    moved = torch.rand(n, generator=generator) < fraction
+    direction = torch.randint(0, 8, (n,), generator=generator)
+    direction += direction >= 4  # 0..8 without 4, the middle of the 3 x 3 grid of moves
+    return torch.stack([direction // 3 - 1, direction % 3 - 1]) * moved
+
+
+def shift_images(images: torch.Tensor, moves: torch.Tensor | None) -> torch.Tensor:
+    """uint8 [B, 28, 28] moved by [2, B] pixels (down, right), the uncovered edge black."""
+    if moves is None:
+        return images
+    b, h, w = images.shape
+    windows = F.pad(images, (1, 1, 1, 1)).unfold(1, h, 1).unfold(2, w, 1)  # [B, 3, 3, h, w], views of the padded batch
+    return windows[torch.arange(b, device=images.device), 1 - moves[0], 1 - moves[1]]
+
+
 def epoch_shard(n: int, epoch: int, seed: int, rank: int, world_size: int) -> torch.Tensor:
     """This rank's training indices for one epoch.
 
@@ -697,17 +727,19 @@ def epoch_shard(n: int, epoch: int, seed: int, rank: int, world_size: int) -> to
 # ----------------------------------------------------------------------------- model
 
 class SmallCNN(nn.Module):
-    """A 5x5 and a 3x3 convolution, both of stride 2 (no pooling), and a linear classifier:
-    ~20x fewer multiply-adds per image than the 2-conv CNN of the PyTorch MNIST example,
-    and as accurate in a few epochs."""
+    """A 5x5 and a 3x3 convolution, both of stride 2 (no pooling), a hidden layer of 128
+    and a linear classifier: ~13x fewer multiply-adds per image than the 2-conv CNN of the
+    PyTorch MNIST example, and more accurate in a few epochs. The first convolution is
+    narrow because the second one's cost grows with its input channels (README "Defaults")."""
 
     def __init__(self, dropout: float):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 5, stride=2, padding=2), nn.ReLU(inplace=True),   # 32 x 14 x 14
-            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True),  # 64 x 7 x 7
+            nn.Conv2d(1, 16, 5, stride=2, padding=2), nn.ReLU(inplace=True),   # 16 x 14 x 14
+            nn.Conv2d(16, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True),  # 64 x 7 x 7
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(64 * 7 * 7, 10))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(inplace=True),
+                                        nn.Dropout(dropout), nn.Linear(128, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -740,11 +772,11 @@ def lr_at(step: int, total_steps: int, peak: float) -> float:
 # ----------------------------------------------------------------------------- train and eval steps
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x: torch.Tensor, y: torch.Tensor,
-               amp: bool = False) -> torch.Tensor:
+               amp: bool = False, label_smoothing: float = 0.0) -> torch.Tensor:
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y, label_smoothing=label_smoothing)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # DDP averages the gradients across ranks here
     optimizer.step()
@@ -1234,7 +1266,7 @@ def confusion_picture(confusion: torch.Tensor) -> np.ndarray:
 # by, with their scalar tags (so a run still going shows its latest values). TensorBoard
 # takes the first experiment it finds in a log directory; every run declares this one.
 HPARAMS = {"lr": float, "weight_decay": float, "batch_size": int, "global_batch": int, "epochs": int, "model": str,
-           "dropout": float, "seed": int, "world_size": int, "amp": bool}
+           "dropout": float, "label_smoothing": float, "shift": float, "seed": int, "world_size": int, "amp": bool}
 HPARAM_METRICS = {"test/accuracy": "test accuracy", "test/loss": "test loss", "train/loss": "train loss",
                   "time/seconds_to_best": "seconds to the best epoch"}
 # The tab lists the hparams marked as differing first and shows the first five: a sweep
@@ -1405,7 +1437,11 @@ def build_training(config: Config, rt: Runtime) -> tuple[nn.Module, nn.Module, t
         model = torch.compile(model)
     average = WeightAverage(raw_model, config.ema) if config.ema else None
     torch.manual_seed(config.seed + rt.rank)  # dropout differs per rank, as its data does
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    # beta2 0.99 instead of 0.999: the step sizes adapt within ~100 steps, not ~1,000 (README "Defaults").
+    # fused: one pass over all the weights instead of a loop of small ops per tensor (on 2 CPU cores
+    # the update takes 0.5 ms instead of 1.4 ms, a tenth of the step; on a GPU, one kernel).
+    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=config.lr, betas=(0.9, 0.99),
+                                  weight_decay=config.weight_decay, fused=rt.device.type in ("cpu", "cuda"))
     return model, raw_model, optimizer, average
 
 
@@ -1528,10 +1564,14 @@ def main(argv: list[str] | None = None) -> int:
             if rt.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(rt.device)
             shard = epoch_shard(len(train_set.labels), progress.epoch, config.seed, rt.rank, rt.world_size).to(rt.device)
+            shifts = epoch_shifts(len(train_set.labels), progress.epoch, config.seed, config.shift)
+            shifts = shifts if shifts is None else shifts.to(rt.device)
             for k in range(progress.step_in_epoch, steps_per_epoch):
                 idx = shard[k * config.batch_size: (k + 1) * config.batch_size]
-                x, y = normalize(train_set.images[idx], config.dataset, config.channels_last), train_set.labels[idx]
-                loss = train_step(model, optimizer, lr_at(progress.step, total_steps, config.lr), x, y, config.amp)
+                images = shift_images(train_set.images[idx], shifts if shifts is None else shifts[:, idx])
+                x, y = normalize(images, config.dataset, config.channels_last), train_set.labels[idx]
+                loss = train_step(model, optimizer, lr_at(progress.step, total_steps, config.lr), x, y, config.amp,
+                                  config.label_smoothing)
                 if average:
                     average.update(progress.step)
                 loss_sum[0] += loss * len(idx)

@@ -11,15 +11,19 @@ It runs, one after another on the same machine:
      PyTorch MNIST example's 2-conv CNN with dropout, Adam 1e-3, batch 64, one process),
      written out below;
   2. mnist_ddp.py with its defaults, one process, all cores;
-  3. mnist_ddp.py with 2 Gloo ranks of 1 thread each against 1 rank of 2 threads, at the
+  3. the defaults again for 5 epochs, in a process that also measures the compute limit
+     (forward + backward + AdamW step of the default model on batches already normalised
+     in memory, nothing else) for 150 steps just before each evaluation: each epoch's
+     wall time is set against the limit measured on both sides of it, seconds apart,
+     because this machine's speed drifts by tens of percent within a minute;
+  4. mnist_ddp.py with 2 Gloo ranks of 1 thread each against 1 rank of 2 threads, at the
      same global batch (2 x 64 and 1 x 128, the same training steps);
-  4. the compute limit: forward + backward + AdamW step of the default model on batches
-     already normalised in memory, nothing else;
 and writes OUT/bench.json and OUT/bench.md: time to the target test accuracy (90 % on
 Fashion-MNIST, 98 % on the sample) from process start, start-up included, for both
 sides, and the epoch each crossed it (the reference runs until it first does, at most
---reference-epochs), training images per second, overhead against the
-compute limit (epoch wall time, evaluation included, over the pure step time), scaling
+--reference-epochs), training images per second, overhead against the compute limit
+(the median epoch's wall time, from one evaluation to the next, so training,
+evaluation, logging and checkpoint, over the limit's time for as many steps), scaling
 (2x1 over 1x2 throughput) and peak memory per rank. Every figure is a ratio or a time
 taken on this machine; the table says which machine.
 
@@ -31,6 +35,7 @@ torch.cuda.set_sync_debug_mode), in the same two files.
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import platform
@@ -163,7 +168,7 @@ def compute_limit(batch_size: int, threads: int, steps: int) -> float:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = mnist_ddp.build_model(mnist_ddp.Config())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=5e-4, fused=True)
     batches = [(torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))) for _ in range(8)]
     for x, y in batches[:3]:  # warm-up
         mnist_ddp.train_step(model, optimizer, 1e-3, x, y)
@@ -174,6 +179,37 @@ def compute_limit(batch_size: int, threads: int, steps: int) -> float:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     return (time.perf_counter() - started) / steps
+
+
+def paired_worker(args) -> None:
+    """The defaults again, in this process, with a burst of the compute limit measured just
+    before each evaluation. An epoch's wall time (from one evaluation to the next: training,
+    evaluation, logging and checkpoint; the burst taken out) is then set against the
+    limit measured on both sides of it, seconds apart, so that this machine's drift,
+    which moves both alike, cancels. Writes the marks to --json."""
+    import torch
+    sys.path.insert(0, str(ROOT))
+    import mnist_ddp
+    argv, marks, evaluate = json.loads(args.json), [], mnist_ddp.evaluate
+
+    def evaluate_after_a_burst(*a, **kw):
+        entered = time.perf_counter()
+        with torch.random.fork_rng():  # the run's own random numbers stay untouched
+            per_step = compute_limit(128, torch.get_num_threads(), args.max_steps)
+        marks.append({"at": entered, "limit_per_step_s": per_step, "burst_s": time.perf_counter() - entered})
+        return evaluate(*a, **kw)
+
+    mnist_ddp.evaluate = evaluate_after_a_burst
+    code = mnist_ddp.main(argv)
+    Path(argv[argv.index("--run-dir") + 1], "marks.json").write_text(json.dumps(marks))
+    sys.exit(code)
+
+
+def paired_overhead(marks: list[dict], steps_per_epoch: int) -> list[dict]:
+    """Each epoch after the first: its wall time and the compute limit of its steps."""
+    return [{"epoch_s": b["at"] - a["at"] - a["burst_s"],
+             "limit_s": steps_per_epoch * (a["limit_per_step_s"] + b["limit_per_step_s"]) / 2}
+            for a, b in itertools.pairwise(marks)]
 
 
 def crossing(records: list[dict], target: float) -> tuple[float | None, int | None]:
@@ -228,6 +264,8 @@ def main() -> None:
         return reference(args)
     if args.worker == "gpu":
         return gpu_worker(args)
+    if args.worker == "paired":
+        return paired_worker(args)
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -260,16 +298,25 @@ def main() -> None:
     for e in ref["epochs"]:
         e["since_start_s"] = seen.get(e["epoch"])
 
-    # 2. the defaults, one process, between two measurements of 4. the compute limit (this
-    # machine's speed drifts; their mean is the limit)
-    limit_steps = 20 if args.quick else 300
-    per_step = compute_limit(128, threads, limit_steps)
+    # 2. the defaults, one process
     default = run_script(out, "default", [*common, *quick], 1, threads)
-    per_step = (per_step + compute_limit(128, threads, limit_steps)) / 2
-    limit_epoch_s = per_step * default[0]["step"]
-    epoch_s = statistics.median(r["epoch_s"] for r in default)
 
-    # 3. two ranks of one thread against one rank of two: the defaults (128 images per
+    # 3. overhead: the defaults again, each epoch paired with bursts of the compute limit
+    # measured in the same process on both sides of it (a few seconds apart)
+    paired_args = ["--dataset", "mnist-sample", "--data-dir", str(data_dir), "--image-every", "0", "--epochs", "2"] \
+        if args.quick else [*common, "--epochs", "5"]
+    run_dir = out / "runs" / "paired"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    run_timed([sys.executable, __file__, "paired", "--max-steps", "20" if args.quick else "150", "--json",
+               json.dumps([*paired_args, "--run-dir", str(run_dir)])], out / "paired.log", {**env, "OMP_NUM_THREADS": str(threads)})
+    steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"]
+    pairs = paired_overhead(json.loads((run_dir / "marks.json").read_text()), steps_per_epoch)
+    ratios = [p["epoch_s"] / p["limit_s"] for p in pairs]
+    middle = sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]
+    print(f"overhead: {' '.join(f'{r:.2f}' for r in ratios)} (epochs 2-{len(pairs) + 1})", flush=True)
+
+    # 4. two ranks of one thread against one rank of two: the defaults (128 images per
     # rank), and the same global batch (2 x 64, the same training steps as 1 x 128)
     scaling_args = [*common, "--epochs", "2", *(quick[:2] if args.quick else [])]
     two_by_one = run_script(out, "2x1", scaling_args, 2, 1)
@@ -288,8 +335,8 @@ def main() -> None:
         "default": {"time_to_target_s": our_time, "crossed_at_epoch": our_epoch, "images_per_s": our_speed,
                     "epochs": default,
                     "final_accuracy": default[-1]["test_accuracy"], "peak_rss_mb": default[-1].get("peak_rss_mb"),
-                    "epoch_s_median": epoch_s, "compute_limit_epoch_s": limit_epoch_s,
-                    "overhead": epoch_s / limit_epoch_s},
+                    "epoch_s_median": pairs[middle]["epoch_s"], "compute_limit_epoch_s": pairs[middle]["limit_s"],
+                    "overhead": ratios[middle], "overhead_per_epoch": ratios, "overhead_pairs": pairs},
         "scaling": {"2x1_images_per_s": two_by_one[-1]["images_per_s"], "1x2_images_per_s": one_by_two[-1]["images_per_s"],
                     "ratio": two_by_one[-1]["images_per_s"] / one_by_two[-1]["images_per_s"],
                     "2x1_b64_images_per_s": two_by_one_same_global[-1]["images_per_s"],
@@ -373,7 +420,7 @@ def markdown(r: dict) -> str:
         ("final test accuracy", f"{100 * ref['final_accuracy']:.2f} % ({len(ref['epochs'])} epochs)",
          f"{100 * d['final_accuracy']:.2f} % ({len(d['epochs'])} epochs)", ""),
         ("peak RSS per rank", f"{ref['peak_rss_mb']:.0f} MB", f"{fmt(d['peak_rss_mb'], '.0f', '?')} MB", ""),
-        ("epoch wall time / compute limit", "", f"{d['epoch_s_median']:.2f} s / {d['compute_limit_epoch_s']:.2f} s",
+        ("epoch wall time / compute limit (median epoch, paired)", "", f"{d['epoch_s_median']:.2f} s / {d['compute_limit_epoch_s']:.2f} s",
          f"{d['overhead']:.2f}"),
         ("scaling: 2 ranks x 1 thread / 1 rank x 2 threads, 128 images per rank", "",
          f"{s['2x1_images_per_s']:.0f} / {s['1x2_images_per_s']:.0f} images/s", f"{s['ratio']:.2f}"),

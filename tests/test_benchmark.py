@@ -20,7 +20,7 @@ def test_benchmark_quick_run(tmp_path):
     assert report["dataset"] in ("fashion-mnist", "mnist-sample") and report["quick"]
     for part in ("reference", "default"):
         assert report[part]["images_per_s"] > 0 and report[part]["peak_rss_mb"] > 0
-    assert report["default"]["overhead"] > 0 and report["scaling"]["ratio"] > 0
+    assert report["default"]["overhead"] > 0 and report["default"]["overhead_per_epoch"] and report["scaling"]["ratio"] > 0
     for part in ("reference", "default"):  # counted from process start; the epoch each side crossed, if it did
         assert "crossed_at_epoch" in report[part] and all(e["since_start_s"] > 0 for e in report[part]["epochs"])
     table = (tmp_path / "out" / "bench.md").read_text()

@@ -1,7 +1,8 @@
 """Real training runs of mnist_ddp.py on the bundled sample, in real processes over Gloo:
 the smoke run learns (>= 95 %), torchrun and srun-style launches work, 2 ranks x batch B
 match 1 process x batch 2B, seeded runs are bit-identical, evaluation with 3 ranks counts
-every test image once, and TensorBoard's own reader finds the logged tags.
+every test image once, TensorBoard's own reader finds the logged tags, and the shift
+augmentation moves each image by at most one pixel, the same way for any world size.
 
     python -m pytest tests/test_training.py
 """
@@ -166,3 +167,24 @@ def test_batch_jobs_print_progress_lines(workdir):
     assert "epoch 1 step 5/32 (step 5 in all) batch loss " in result.stdout
     quiet = run_single(["--epochs", "1", "--max-steps", "12", "--progress-every", "0", "--run-dir", "runs/q"], cwd=workdir)
     assert "(step 5 in all)" not in quiet.stdout
+
+
+def test_shift_augmentation_moves_images_by_one_pixel():
+    moves = mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25)
+    moved = moves.abs().sum(0) > 0
+    assert moves.shape == (2, 10_000) and moves.abs().max() == 1
+    assert 0.22 < moved.float().mean() < 0.28
+    # The same moves for any slicing of the data set, and new ones each epoch and seed.
+    assert torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25))
+    assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=4, seed=0, fraction=0.25))
+    assert mnist_ddp.epoch_shifts(10, epoch=0, seed=0, fraction=0.0) is None
+    images = torch.arange(1, 28 * 28 + 1, dtype=torch.int32).reshape(1, 28, 28).repeat(9, 1, 1).to(torch.uint8)
+    grid = torch.tensor([[d // 3 - 1 for d in range(9)], [d % 3 - 1 for d in range(9)]])
+    shifted = mnist_ddp.shift_images(images, grid)
+    for i, (down, right) in enumerate(grid.T.tolist()):
+        expected = torch.roll(images[i], shifts=(down, right), dims=(0, 1))
+        if down:
+            expected[0 if down > 0 else -1, :] = 0
+        if right:
+            expected[:, 0 if right > 0 else -1] = 0
+        assert torch.equal(shifted[i], expected), (down, right)
