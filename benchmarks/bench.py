@@ -141,6 +141,13 @@ def run_timed(cmd: list[str], log_path: Path, env: dict) -> dict[int, float]:
     return seen
 
 
+def script_env(threads: int) -> dict:
+    """This environment without any launcher's variables (a run is one process unless
+    torchrun starts more), with the given threads per process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    return {**env, "OMP_NUM_THREADS": str(threads)}
+
+
 def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int) -> list[dict]:
     """Run mnist_ddp.py (under torchrun when nproc > 1); return its metrics.jsonl records,
     each with since_start_s, the seconds from process start to that epoch's line."""
@@ -148,9 +155,7 @@ def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int) 
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, str(SCRIPT)] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    env["OMP_NUM_THREADS"] = str(threads)
-    seen = run_timed([*cmd, *args, "--run-dir", str(run_dir)], out / f"{name}.log", env)
+    seen = run_timed([*cmd, *args, "--run-dir", str(run_dir)], out / f"{name}.log", script_env(threads))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in records:
         r["since_start_s"] = seen.get(r["epoch"])
@@ -307,9 +312,8 @@ def main() -> None:
         if args.quick else [*common, "--epochs", "5"]
     run_dir = out / "runs" / "paired"
     shutil.rmtree(run_dir, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
     run_timed([sys.executable, __file__, "paired", "--max-steps", "20" if args.quick else "150", "--json",
-               json.dumps([*paired_args, "--run-dir", str(run_dir)])], out / "paired.log", {**env, "OMP_NUM_THREADS": str(threads)})
+               json.dumps([*paired_args, "--run-dir", str(run_dir)])], out / "paired.log", script_env(threads))
     steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"]
     pairs = paired_overhead(json.loads((run_dir / "marks.json").read_text()), steps_per_epoch)
     ratios = [p["epoch_s"] / p["limit_s"] for p in pairs]

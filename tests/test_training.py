@@ -174,9 +174,10 @@ def test_shift_augmentation_moves_images_by_one_pixel():
     moved = moves.abs().sum(0) > 0
     assert moves.shape == (2, 10_000) and moves.abs().max() == 1
     assert 0.22 < moved.float().mean() < 0.28
-    # The same moves for any slicing of the data set, and new ones each epoch and seed.
+    # The same moves whenever they are drawn (any rank, any resume), new ones each epoch and seed.
     assert torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25))
     assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=4, seed=0, fraction=0.25))
+    assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=3, seed=1, fraction=0.25))
     assert mnist_ddp.epoch_shifts(10, epoch=0, seed=0, fraction=0.0) is None
     images = torch.arange(1, 28 * 28 + 1, dtype=torch.int32).reshape(1, 28, 28).repeat(9, 1, 1).to(torch.uint8)
     grid = torch.tensor([[d // 3 - 1 for d in range(9)], [d % 3 - 1 for d in range(9)]])
