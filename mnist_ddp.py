@@ -32,8 +32,10 @@ Checkpoints go to its checkpoints/ (atomic, last --keep-ckpts kept); --resume au
 default) continues from the newest valid one, so the same command with the same run name,
 or a requeued Slurm job, carries on where it stopped. --allow-changes lets it carry on with
 more --epochs or another --lr. SIGUSR1 or SIGTERM: save at the next step, requeue the
-Slurm job, exit. A rank that dies or hangs makes the others exit with code 4 within
---dist-timeout; run_training.sbatch then restarts the job from the newest checkpoint.
+Slurm job, exit; Ctrl-C: save at the next step and exit. One run of a name runs at a
+time (a second one exits 2). A rank that dies or hangs makes the others exit with code 4
+within --dist-timeout; run_training.sbatch then restarts the job from the newest
+checkpoint.
 
 Exit codes
    0  done
@@ -44,7 +46,7 @@ Exit codes
    4  lost contact with another rank (it died, or hung past --dist-timeout); the line
       names the operation and the step. Nothing saved is lost: run it again, as
       run_training.sbatch does by itself (MAX_RESTARTS)
-  75  stopped by SIGUSR1/SIGTERM after saving a checkpoint; the line says how to continue
+  75  stopped by SIGUSR1/SIGTERM/Ctrl-C after saving a checkpoint; the line says how to continue
       (under Slurm with --requeue the job has requeued itself)
 """
 
@@ -52,17 +54,25 @@ import signal
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's --signal) and SIGTERM (preemption, time limit, torchrun) only set a
-    flag here; the training loop acts on it at the next step boundary, where every rank
-    agrees, rank 0 saves and the job requeues itself. Saving inside a handler could
-    interrupt a half-written file or a collective."""
+    """SIGUSR1 (Slurm's --signal), SIGTERM (preemption, time limit, torchrun) and SIGINT
+    (Ctrl-C, which torchrun passes on to its workers) only set a flag here; the training
+    loop acts on it at the next step boundary, where every rank agrees, rank 0 saves and
+    (on USR1 or TERM) the job requeues itself. Saving inside a handler could interrupt a
+    half-written file or a collective. A Ctrl-C pressed again while that save is under way
+    changes nothing: the save is a step away, and killing it would lose the steps since
+    the last checkpoint. A SIGINT that the parent set to be ignored stays ignored."""
 
     def __init__(self):
         self.received = 0
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+        signals = [signal.SIGUSR1, signal.SIGTERM]
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signals.append(signal.SIGINT)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
 
     def handle(self, signum, frame) -> None:
-        self.received = signum
+        # The first one says why (torchrun follows a Ctrl-C with SIGTERM when its workers
+        # take time to save): a Ctrl-C stays a Ctrl-C, which asks for no requeue.
+        self.received = self.received or signum
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -78,8 +88,10 @@ import argparse  # (after the stop signals, on purpose: see above)
 import contextlib
 import copy
 import dataclasses
+import errno
 import fcntl
 import io
+import itertools
 import json
 import math
 import os
@@ -298,6 +310,7 @@ class Launch:
     restarts_left: int = 0      # how often torchrun's agent would still restart this worker if it failed
     exit_dir: str = ""          # where each rank records its exit code as rank-<r> (run_training.sbatch reads them)
     requeues: int = 0           # how often Slurm has requeued this job (SLURM_RESTART_COUNT)
+    nodes: int = 1              # machines the ranks run on
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -404,6 +417,11 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
     launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env), attempt=attempt,
                                  exit_dir=env.get("MNIST_DDP_EXIT_DIR", ""),
                                  requeues=_int_var(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0)
+    if launch.source == "torchrun":
+        launch = dataclasses.replace(launch, nodes=max(1, launch.world_size // launch.local_world_size))
+    elif launch.source == "slurm":
+        nodes = next((name for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES") if name in env), "")
+        launch = dataclasses.replace(launch, nodes=_int_var(env, nodes) if nodes else 1)
 
     if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or not 0 <= launch.local_rank <= launch.rank:
         raise UsageError(f"ranks do not add up ({launch.source}: rank {launch.rank}, local rank {launch.local_rank}, "
@@ -883,8 +901,11 @@ class Progress:
     """Where training stands; a checkpoint records it and a resumed run starts from it."""
     epoch: int = 1              # the epoch in progress
     step_in_epoch: int = 0      # its batches already done
-    step: int = 0               # optimiser steps done in all
-    last_record: dict = field(default_factory=dict)  # the last epoch's metrics
+    # Optimiser steps done in all, the run's one count (logs, checkpoint names, rotation). A
+    # resume with another world size keeps counting from where the interrupted epoch began.
+    step: int = 0
+    last_record: dict = field(default_factory=dict)  # the last evaluation's metrics
+    finished: bool = False      # the last epoch evaluated and model.pt written: nothing left to do
 
 
 def rank_state(loss_sum: torch.Tensor, device: torch.device) -> dict:
@@ -918,8 +939,28 @@ def save_checkpoint(run_dir: Path, config: Config, rt: Runtime, model: nn.Module
                      "average": average.model.state_dict() if average else None,
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         for old in sorted(path.parent.glob("ckpt-*.pt"))[:-config.keep_ckpts]:
-            old.unlink()
+            old.unlink(missing_ok=True)
     return path
+
+
+def set_aside_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
+    """Move the checkpoints numbered after `step` into checkpoints/superseded/, and return
+    them. A run that goes on from an earlier point (a rollback with --resume PATH, another
+    world size restarting its epoch, newer files that would not load) writes a new path
+    from there, which --resume auto and rotation must not mistake for the old one. Nothing
+    is deleted: a rollback made by mistake can still be undone by hand."""
+    later = [p for p in sorted((run_dir / "checkpoints").glob("ckpt-*.pt")) if checkpoint_step(p) > step]
+    if later:
+        (run_dir / "checkpoints" / "superseded").mkdir(exist_ok=True)
+    for path in later:
+        os.replace(path, path.parent / "superseded" / path.name)
+    return later
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step in a checkpoint's name (ckpt-00000120.pt: 120), -1 for another name."""
+    match = re.fullmatch(r"ckpt-(\d+)\.pt", path.name)
+    return int(match.group(1)) if match else -1
 
 
 def read_checkpoint(path: Path, device: torch.device | str) -> dict:
@@ -947,6 +988,7 @@ def find_checkpoint(config: Config, run_dir: Path) -> tuple[Path | None, str]:
         if found:
             raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
                              "pass another --run-name to start afresh, or --resume auto to continue")
+        warn_if_starting_over(run_dir, found)
         return None, ""
     candidates = found if config.resume == "auto" else [Path(config.resume)]
     for path in candidates:
@@ -966,11 +1008,27 @@ def find_checkpoint(config: Config, run_dir: Path) -> tuple[Path | None, str]:
                              "resume with the same options, or pass another --run-name to start afresh"
                              + ("" if fixed else f", or add --allow-changes to carry on with new {allowed}"))
         return path, "; ".join(differences.values())
+    warn_if_starting_over(run_dir, found)
     return None, ""
 
 
+def warn_if_starting_over(run_dir: Path, unreadable: list[Path]) -> None:
+    """A run directory that holds logs but no checkpoint that loads starts over from step 0:
+    say so, since its logged epochs are replaced rather than continued."""
+    metrics = run_dir / "metrics.jsonl"
+    if unreadable or (metrics.is_file() and metrics.stat().st_size > 0):
+        kept = " (the checkpoints that did not load go to checkpoints/superseded/)" if unreadable else ""
+        print(f"warning: {run_dir} holds an earlier attempt's logs but no checkpoint that loads: starting the run over "
+              f"from step 0, replacing its logged epochs{kept}", file=sys.stderr, flush=True)
+
+
+def run_is_done(progress: Progress, config: Config) -> bool:
+    """Whether training has nothing left to do: every epoch done, or the --max-steps cap reached."""
+    return progress.epoch > config.epochs or (config.max_steps > 0 and progress.step >= config.max_steps)
+
+
 def resume_from(path: Path, config: Config, rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer,
-                steps_per_epoch: int, average: WeightAverage | None = None) -> tuple[Progress, torch.Tensor]:
+                average: WeightAverage | None = None) -> tuple[Progress, torch.Tensor]:
     """Load a checkpoint rank 0 chose; returns where to go on and this rank's loss sums."""
     # Read onto the CPU: load_state_dict places each tensor beside its parameter, except
     # AdamW's step counts, which must stay on the CPU or every step syncs with the GPU.
@@ -989,9 +1047,10 @@ def resume_from(path: Path, config: Config, rt: Runtime, model: nn.Module, optim
         if state["cuda_rng"] is not None and rt.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"].cpu(), rt.device)
         loss_sum.copy_(state["loss_sum"])
-    else:
-        # Other shards, other batches: restart the interrupted epoch with the saved weights.
-        progress = Progress(progress.epoch, 0, (progress.epoch - 1) * steps_per_epoch, progress.last_record)
+    elif not (progress.finished and run_is_done(progress, config)):
+        # Other shards, other batches: restart the interrupted epoch with the saved weights,
+        # its steps counted on from where it began, so the count never runs backwards.
+        progress = Progress(progress.epoch, 0, progress.step - progress.step_in_epoch, progress.last_record)
         if rt.is_main:
             print(f"warning: {path} was written by {ckpt['world_size']} ranks, this run has {rt.world_size}: "
                   f"the data order changed; continuing from the start of epoch {progress.epoch}", file=sys.stderr)
@@ -1060,7 +1119,7 @@ def read_agreement(pending: tuple) -> Verdict:
 # What each collective is for, by the function that runs it: a lost peer names it.
 COLLECTIVES = {
     "init_distributed": "joining the process group", "prepare_data": "the barrier around staging the data",
-    "agree_on_checkpoint": "choosing the checkpoint to resume from", "train_step": "the gradient all-reduce",
+    "claim_run_dir": "sharing the run directory's name", "agree_on_checkpoint": "choosing the checkpoint to resume from", "train_step": "the gradient all-reduce",
     "start_agreement": "the per-step agreement (stop, divergence, checkpoint time)",
     "read_agreement": "the per-step agreement (stop, divergence, checkpoint time)",
     "sync_buffers": "the broadcast of the model's buffers", "evaluate": "the all-reduce of the test figures",
@@ -1152,42 +1211,134 @@ def requeue_slurm_job(launch: Launch) -> bool:
     return result.returncode == 0
 
 
-def continue_command(argv: list[str], launch: Launch, run_dir: Path, log_dir: str, **changes: str) -> str:
-    """The command that carries this run on from its newest checkpoint: the same options,
-    naming the run's directory, with `changes` ({"lr": "0.001"}) replacing options."""
-    args = list(argv)
+# What a command that continues a run leaves out: where the first one started from, the
+# testing aid (it would stop the run again at the same step), staging alone; and, under
+# run_training.sbatch, what the batch file passes itself (from LOG_DIR, RUN_NAME, DATA_DIR).
+NOT_CONTINUED = ("resume", "interrupt_at", "download_only")
+SET_BY_BATCH_FILE = ("data_dir", "node_data_dir", "log_dir", "run_name", "run_dir")
+
+
+def option_args(config: Config, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """The options of `config` that differ from their defaults, as command-line arguments."""
+    args = []
+    for f in dataclasses.fields(Config):
+        value = getattr(config, f.name)
+        if f.name in leave_out or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return args
+
+
+def continue_command(config: Config, launch: Launch, run_dir: Path, **changes: str) -> str:
+    """The one builder of every command printed to carry this run on from its newest
+    checkpoint: "to continue", "to train it longer", the advice after divergence, and
+    the line run_training.sbatch prints after END. It is built from the run's options
+    (not from the words typed, which may abbreviate them), naming the run's directory,
+    without the NOT_CONTINUED ones, and with `changes` ({"lr": "0.001", "allow_changes":
+    ""}) at the end. Under run_training.sbatch it is the sbatch line that resubmits the
+    job: the batch file passes its beginning (the directory, its variables, the job's
+    request, itself) in MNIST_DDP_RESUBMIT."""
+    leave_out = NOT_CONTINUED + tuple(changes)
+    resubmit = os.environ.get("MNIST_DDP_RESUBMIT", "")
+    if resubmit:
+        args = option_args(config, leave_out + SET_BY_BATCH_FILE)
+        command = resubmit
+    else:
+        args = option_args(config, leave_out)
+        if not (config.run_name or config.run_dir):
+            args += ["--run-name", run_dir.name] if run_dir.parent == Path(config.log_dir) else ["--run-dir", str(run_dir)]
+        script = sys.argv[0] if sys.argv[0].endswith(".py") else PROG
+        command = f"{launcher_words(launch)} {shlex.quote(script)}"
     for name, value in changes.items():
-        flag = "--" + name.replace("_", "-")
-        args = [a for i, a in enumerate(args) if not (a == flag or a.startswith(flag + "=") or (i and args[i - 1] == flag))]
-        args += [flag] if value == "" else [flag, value]
-    if not any(a.split("=")[0] in ("--run-name", "--run-dir") for a in args):
-        args += ["--run-name", run_dir.name] if run_dir.parent == Path(log_dir) else ["--run-dir", str(run_dir)]
-    script = sys.argv[0] if sys.argv[0].endswith(".py") else PROG
-    launcher = {"single": "python", "torchrun": "torchrun [the same torchrun options]",
-                "slurm": "srun [the same srun options] python"}[launch.source]
-    return f"{launcher} {shlex.join([script, *args])}"
+        args += ["--" + name.replace("_", "-")] + ([value] if value != "" else [])
+    return f"{command} {shlex.join(args)}".rstrip()
+
+
+def launcher_words(launch: Launch) -> str:
+    """How this process was started, as a command that starts the same ranks again."""
+    if launch.source == "torchrun":
+        if launch.nodes == 1:
+            return f"torchrun --standalone --nproc-per-node={launch.local_world_size}"
+        return f"torchrun [the torchrun options you gave, on each of the {launch.nodes} nodes]"
+    if launch.source == "slurm":
+        return f"srun --nodes={launch.nodes} --ntasks={launch.world_size} python"
+    return "python"
 
 
 # ----------------------------------------------------------------------------- logging
 
 def choose_run_dir(config: Config, launch: Launch) -> Path:
-    """One directory per run: LOG_DIR/RUN_NAME; without a name, the Slurm job id when there
-    is one (a requeued job finds its own directory again), else a timestamp chosen on rank
-    0 and shared with the others."""
+    """Rank 0's choice of the run's directory: LOG_DIR/RUN_NAME; without a name, the Slurm
+    job id when there is one (a requeued job finds its own directory again), else a new
+    directory named by the time, created here so that runs started in the same second
+    each get their own."""
     if config.run_dir:
         return Path(config.run_dir)
     if config.run_name:
         return Path(config.log_dir, config.run_name)
     if launch.job_id:
         return Path(config.log_dir, f"job-{launch.job_id}")
-    name = ""
-    if launch.rank == 0:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        name, n = stamp, 1
-        while Path(config.log_dir, name).exists():
-            n += 1
-            name = f"{stamp}-{n}"
-    return Path(config.log_dir, broadcast_from_main(name))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = Path(config.log_dir, stamp if n == 1 else f"{stamp}-{n}")
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
+class RunClaim:
+    """Rank 0's hold on its run directory for as long as the run lives: an exclusive lock
+    on RUN_DIR/.claim. POSIX locks also work across NFS clients, and the kernel releases
+    them when the process dies, even by SIGKILL, so a restart or a requeue gets it again.
+    A second run of the same name (a resubmission while the first still runs) meets it and
+    stops with one line, before it reads a checkpoint that the first one is writing."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / ".claim", "a+")
+        try:
+            fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise UsageError(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
+                             "--run-name to start a separate run") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.file.flush()
+        (run_dir / "exit-code").unlink(missing_ok=True)  # written again when this attempt ends
+
+    def release(self, code: int) -> None:
+        """Record how this attempt ended, for run_training.sbatch, sweep.py summary and
+        whoever reads the directory, then let the next run in."""
+        with contextlib.suppress(OSError):
+            (self.run_dir / "exit-code").write_text(f"{code}\n")
+        self.file.close()
+
+
+def claim_run_dir(config: Config, launch: Launch, rt: Runtime) -> tuple[Path, RunClaim | None]:
+    """Rank 0 chooses and claims the run's directory, and tells every rank which it is."""
+    claim, choice = None, ["", ""]
+    if rt.is_main:
+        try:
+            claim = RunClaim(choose_run_dir(config, launch))
+            choice = [str(claim.run_dir), ""]
+        except UsageError as err:
+            choice = ["", str(err)]
+    run_dir, error = broadcast_from_main(choice)
+    if error:
+        raise UsageError(error if rt.is_main else "rank 0 cannot use the run directory; see its error")
+    return Path(run_dir), claim
 
 
 def peak_rss_mb(rt: Runtime) -> float:
@@ -1302,6 +1453,27 @@ def hparam_values(config: Config, world_size: int) -> dict:
     return {name: values[name] for name in HPARAMS}
 
 
+def read_metrics_tolerantly(path: Path) -> list[dict]:
+    """metrics.jsonl's records, without a line that a crash cut short while it was being
+    appended (and any other line that is not a record), each dropped with a warning."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            print(f"warning: dropping line {number} of {path}, which is not a whole record: {line[:80]!r}",
+                  file=sys.stderr, flush=True)
+    return records
+
+
 def markdown_table(d: dict) -> str:
     return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in d.items())
 
@@ -1309,26 +1481,23 @@ def markdown_table(d: dict) -> str:
 class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, config: Config, environment: dict, resumed_step: int | None, note: str = ""):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "exit-code").unlink(missing_ok=True)  # written again when this attempt ends
+    def __init__(self, run_dir: Path, config: Config, environment: dict, resumed_step: int, note: str = ""):
         # For sweep.py summary and anyone reading the directory: what this attempt runs with.
         (run_dir / "run.json").write_text(json.dumps({"config": dataclasses.asdict(config), "environment": environment}))
-        self.run_dir = run_dir
         self.log_every, self.progress_every = config.log_every, config.progress_every
         self.last_progress = time.monotonic()
+        # The run goes on from resumed_step (0: from the start) and repeats what came after
+        # it: drop those lines, and have TensorBoard hide those steps, so nothing is doubled
+        # or rewound.
         metrics_path = run_dir / "metrics.jsonl"
-        if resumed_step is not None and metrics_path.exists():
-            # A resumed run repeats what came after its checkpoint: drop those lines, and
-            # have TensorBoard hide those steps, so nothing is doubled or rewound.
-            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
+        records = [r for r in read_metrics_tolerantly(metrics_path) if r["step"] <= resumed_step]
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
         # Training time so far and when the best epoch came, over every attempt of the run.
         self.elapsed, self.best, self.to_best = 0.0, -1.0, 0.0
-        for line in metrics_path.read_text().splitlines() if resumed_step is not None and metrics_path.exists() else []:
-            self.add_epoch_time(json.loads(line))
+        for record in records:
+            self.add_epoch_time(record)
         declare_hparams(run_dir.parent)
-        self.writer = SummaryWriter(str(run_dir), purge_step=None if resumed_step is None else resumed_step + 1)
+        self.writer = SummaryWriter(str(run_dir), purge_step=resumed_step + 1)
         start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
         for name, value in hparam_values(config, environment["world_size"]).items():
             kind = "bool_value" if isinstance(value, bool) else "string_value" if isinstance(value, str) else "number_value"
@@ -1337,10 +1506,10 @@ class RunLogger:
         self.metrics = open(metrics_path, "a")
         self.show_progress = sys.stdout.isatty()
         # At the step it starts from: a resumed run's attempts each keep their own entry.
-        self.writer.add_text("config", markdown_table(dataclasses.asdict(config)), resumed_step or 0)
-        self.writer.add_text("environment", markdown_table(environment), resumed_step or 0)
+        self.writer.add_text("config", markdown_table(dataclasses.asdict(config)), resumed_step)
+        self.writer.add_text("environment", markdown_table(environment), resumed_step)
         if note:
-            self.writer.add_text("log", note, resumed_step or 0)
+            self.writer.add_text("log", note, resumed_step)
             print(note, flush=True)
         self.writer.flush()
         print(f"config: {json.dumps(dataclasses.asdict(config))}")
@@ -1400,11 +1569,9 @@ class RunLogger:
         self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=(
             plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
 
-    def close(self, exit_code: int | None = None) -> None:
+    def close(self) -> None:
         self.writer.close()
         self.metrics.close()
-        if exit_code is not None:  # for the batch file and for whoever reads the run directory
-            (self.run_dir / "exit-code").write_text(f"{exit_code}\n")
 
 
 class NullLogger:
@@ -1413,7 +1580,7 @@ class NullLogger:
     def step(self, *args) -> None: ...
     def epoch(self, record: dict, evaluation: Evaluation, test_set: Split, pictures: bool) -> None: ...
     def finish(self, final: dict, step: int) -> None: ...
-    def close(self, exit_code: int | None = None) -> None: ...
+    def close(self) -> None: ...
 
 
 # ----------------------------------------------------------------------------- main
@@ -1445,6 +1612,13 @@ def build_training(config: Config, rt: Runtime) -> tuple[nn.Module, nn.Module, t
     return model, raw_model, optimizer, average
 
 
+def record_continue_command(run_dir: Path, command: str) -> None:
+    """Under run_training.sbatch, leave the command that continues this run where the batch
+    file prints it after its END line, even when every rank was killed."""
+    if os.environ.get("MNIST_DDP_RESUBMIT"):
+        (run_dir / "continue-command").write_text(command + "\n")
+
+
 def agree_on_checkpoint(config: Config, rt: Runtime, run_dir: Path) -> tuple[str, str]:
     """Rank 0 picks the checkpoint (or the error) and tells every rank: (path or "", what
     --allow-changes let differ)."""
@@ -1464,7 +1638,7 @@ def agree_on_checkpoint(config: Config, rt: Runtime, run_dir: Path) -> tuple[str
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     stop, who = EARLY_STOP or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
-    logger, code, launch, progress = NullLogger(), EXIT_BUG, None, Progress()
+    logger, code, launch, progress, claim = NullLogger(), EXIT_BUG, None, Progress(), None
     try:
         launch = read_launch_env(os.environ)
         who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
@@ -1481,36 +1655,48 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[rank {rt.rank}] {config.dataset} is ready in {node_data_dir(config) or config.data_dir}")
             code = 0
             return code
-        run_dir = choose_run_dir(config, launch)
+        run_dir, claim = claim_run_dir(config, launch, rt)
         model, raw_model, optimizer, average = build_training(config, rt)
         eval_model = average.model if average else raw_model
 
         per_rank = len(train_set.labels) // rt.world_size
         steps_per_epoch = math.ceil(per_rank / config.batch_size)
-        total_steps = config.epochs * steps_per_epoch
-        if config.max_steps:
-            total_steps = min(total_steps, config.max_steps)
 
         ckpt_path, changed = agree_on_checkpoint(config, rt, run_dir)
         progress, loss_sum = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
-            progress, loss_sum = resume_from(Path(ckpt_path), config, rt, raw_model, optimizer, steps_per_epoch, average)
-        if ckpt_path and (progress.epoch > config.epochs or progress.step >= total_steps):
+            progress, loss_sum = resume_from(Path(ckpt_path), config, rt, raw_model, optimizer, average)
+        if progress.finished and run_is_done(progress, config):
             if rt.is_main:
-                print(f"run {run_dir} is already complete (epoch {progress.epoch - 1}, step {progress.step}); "
-                      f"to train it longer: {continue_command(argv, launch, run_dir, config.log_dir, epochs=str(config.epochs + 4), allow_changes='')}",
-                      flush=True)
+                longer = {"epochs": str(config.epochs + 4)} if progress.epoch > config.epochs else {}
+                if config.max_steps and progress.step >= config.max_steps:
+                    longer = {"max_steps": "0"}  # the cap ended it: lift the cap
+                print(f"run {run_dir} is already complete (epoch {progress.last_record.get('epoch', progress.epoch - 1)}, "
+                      f"step {progress.step}); to train it longer: "
+                      f"{continue_command(config, launch, run_dir, **longer, allow_changes='')}", flush=True)
             code = 0
             return code
+        progress.finished = False
+        # The learning-rate schedule runs in this world size's steps; the step count goes on
+        # from the checkpoint's, which another world size may have counted differently.
+        schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
+        total_steps = config.epochs * steps_per_epoch
+        if config.max_steps:
+            total_steps = min(total_steps, config.max_steps - schedule_offset)
 
         starts = gather_to_all((socket.gethostname(), launch.attempt))
         hosts = [host for host, _ in starts]
         # torchrun's agents count their restarts each on their own: the highest is the job's.
         launch = dataclasses.replace(launch, attempt=max((a for _, a in starts), key=lambda a: int(a.split("/")[0])))
         if rt.is_main:
+            # Every rank has read its checkpoint by now (the gather above comes after).
+            later = set_aside_later_checkpoints(run_dir, progress.step)
+            if later:
+                print(f"warning: set aside {len(later)} checkpoint(s) numbered after step {progress.step}, which this run "
+                      f"no longer continues, in {run_dir / 'checkpoints' / 'superseded'}", file=sys.stderr, flush=True)
             note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
-            logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts),
-                               resumed_step=progress.step if ckpt_path else None, note=note)
+            logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts), progress.step, note=note)
+            record_continue_command(run_dir, continue_command(config, launch, run_dir))
         cpus, threads = usable_cpus(), torch.get_num_threads()
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
               f"{per_rank} images, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs", flush=True)
@@ -1548,34 +1734,42 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"stopping on {why} at step {progress.step}: saved {path}", flush=True)
             if dist.is_initialized():
                 dist.barrier()  # the checkpoint is complete before anyone can be killed
-            if rt.is_main and not requeue_slurm_job(launch):  # when it succeeds, Slurm ends every process here
-                print(f"to continue: {continue_command(argv, launch, run_dir, config.log_dir)}", flush=True)
+            # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
+            # ends every process here.
+            if rt.is_main and (stop.received == signal.SIGINT or not requeue_slurm_job(launch)):
+                print(f"to continue: {continue_command(config, launch, run_dir)}", flush=True)
             if dist.is_initialized():
                 dist.barrier()
             return EXIT_STOPPED
 
         def diverged(what: str, step: int | None = None) -> Diverged:
-            lower = continue_command(argv, launch, run_dir, config.log_dir, lr=f"{config.lr / 3:.3g}", allow_changes="")
+            lower = continue_command(config, launch, run_dir, lr=f"{config.lr / 3:.3g}", allow_changes="")
+            if rt.is_main:
+                record_continue_command(run_dir, lower)
             return Diverged(f"{what} at step {progress.step if step is None else step} (epoch {progress.epoch}); nothing "
                             f"from this step on was saved. Resume from the last checkpoint with a lower learning rate: {lower}")
 
-        while progress.epoch <= config.epochs and progress.step < total_steps:
+        while not run_is_done(progress, config):
             started = time.perf_counter()
             if rt.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(rt.device)
             shard = epoch_shard(len(train_set.labels), progress.epoch, config.seed, rt.rank, rt.world_size).to(rt.device)
             shifts = epoch_shifts(len(train_set.labels), progress.epoch, config.seed, config.shift)
             shifts = shifts if shifts is None else shifts.to(rt.device)
+            trained = 0  # images this rank trained on since `started`, for the speed (a resumed epoch had more)
             for k in range(progress.step_in_epoch, steps_per_epoch):
+                if run_is_done(progress, config):  # the --max-steps cap, in mid-epoch
+                    break
                 idx = shard[k * config.batch_size: (k + 1) * config.batch_size]
                 images = shift_images(train_set.images[idx], shifts if shifts is None else shifts[:, idx])
                 x, y = normalize(images, config.dataset, config.channels_last), train_set.labels[idx]
-                loss = train_step(model, optimizer, lr_at(progress.step, total_steps, config.lr), x, y, config.amp,
-                                  config.label_smoothing)
+                lr = lr_at(progress.step - schedule_offset, total_steps, config.lr)
+                loss = train_step(model, optimizer, lr, x, y, config.amp, config.label_smoothing)
                 if average:
                     average.update(progress.step)
                 loss_sum[0] += loss * len(idx)
                 loss_sum[1] += len(idx)
+                trained += len(idx)
                 progress.step, progress.step_in_epoch = progress.step + 1, k + 1
                 if rt.is_main and interrupt_step and progress.step == int(interrupt_step):
                     os.kill(os.getpid(), getattr(signal, f"SIG{interrupt_signal}"))
@@ -1592,37 +1786,44 @@ def main(argv: list[str] | None = None) -> int:
                     if earlier.stopping or now.stopping:
                         code = stop_here(path)
                         return code
-                if progress.step >= total_steps:
-                    break
             if pending and this_step().stopping:  # the epoch's last step
                 code = stop_here(checkpoint())
                 return code
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)
-            train_seconds = time.perf_counter() - started
-            train_loss_sum, images = all_reduce(loss_sum.clone()).tolist()
-            sync_buffers(raw_model)
-            if average:
-                average.copy_buffers(raw_model)
-            evaluation = evaluate(eval_model, test_set, config, rt)
-            progress.last_record = {
-                "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
-                "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_images": evaluation.count,
-                "lr": optimizer.param_groups[0]["lr"], "images_per_s": images / train_seconds,
-                "epoch_s": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(rt), **gpu_figures(rt.device)}
-            logger.epoch(progress.last_record, evaluation, test_set,
-                         pictures=config.image_every > 0 and progress.epoch % config.image_every == 0)
-            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-            loss_sum.zero_()
+            # A checkpoint saved at this very step before its evaluation (a stop at the
+            # epoch's last step, a crash during the evaluation) is evaluated now; one saved
+            # after it (at the --max-steps cap) is not evaluated twice.
+            if progress.last_record.get("step") != progress.step:
+                if rt.device.type == "cuda":
+                    torch.cuda.synchronize(rt.device)
+                train_seconds = time.perf_counter() - started
+                train_loss_sum, images = all_reduce(loss_sum.clone()).tolist()
+                sync_buffers(raw_model)
+                if average:
+                    average.copy_buffers(raw_model)
+                evaluation = evaluate(eval_model, test_set, config, rt)
+                progress.last_record = {
+                    "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
+                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_images": evaluation.count,
+                    "lr": optimizer.param_groups[0]["lr"], "images_per_s": trained * rt.world_size / train_seconds,
+                    "epoch_s": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(rt), **gpu_figures(rt.device)}
+                logger.epoch(progress.last_record, evaluation, test_set,
+                             pictures=config.image_every > 0 and progress.epoch % config.image_every == 0)
+            if progress.step_in_epoch >= steps_per_epoch:  # not when the cap stopped it in mid-epoch
+                progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+                loss_sum.zero_()
             path = checkpoint()
             if read_agreement(start_agreement(stop, torch.zeros((), device=rt.device), ckpt_clock, rt)).stopping:  # during evaluation
                 code = stop_here(path)
                 return code
 
+        # Finished: the weights evaluated go to model.pt, and then a checkpoint says so, so
+        # that running the same command again finds nothing left to do.
         record = progress.last_record
         if rt.is_main:
-            save_atomic(eval_model.state_dict(), run_dir / "model.pt")  # the weights evaluated
+            save_atomic(eval_model.state_dict(), run_dir / "model.pt")
             print(f"saved {run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%", flush=True)
+        progress.finished = True
+        checkpoint()
         logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
         code = 0
         return code
@@ -1642,7 +1843,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         record_exit(code, launch)  # first: after a failure, srun may end this process any moment now
-        logger.close(code)
+        logger.close()
+        if claim:
+            claim.release(code)
         teardown_distributed()
         stop.restore()
 

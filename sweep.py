@@ -3,8 +3,9 @@
 how they did.
 
 A sweep is a text file of option lines for mnist_ddp.py, one line per run; write it by
-hand or let `grid` write the combinations. Blank lines and lines starting with # are not
-runs.
+hand or let `grid` write the combinations. Each line is split as a shell would, and #
+starts a comment (`--lr 1e-3  # baseline`); blank lines are not runs. The sweep names
+each run's directory itself, so a line takes no --run-name, --run-dir or --log-dir.
 
   python sweep.py grid --lr 1e-3 3e-3 --batch-size 64 128 --epochs 4 > sweeps/lr-bs.txt
       every combination of the listed values, one line each (an option with one value
@@ -15,12 +16,17 @@ runs.
       run directory runs/lr-bs/<the options that vary>, with its own output file
       lr-bs-<array id>_<task>.out, port and requeue
   python sweep.py run sweeps/lr-bs.txt
-      the same runs one after another on this machine, without Slurm
+      the same runs one after another on this machine, without Slurm; each run's exit
+      code goes to its RUN_DIR/exit-code, as under Slurm
   python sweep.py summary runs/lr-bs [--json]
       the runs as a table, best test accuracy first: the options that vary, accuracy,
       losses, epochs done, wall time and state (done, running, requeued, pending,
       failed with its exit code, diverged); it reads only the run directories, so it
       works while the sweep runs and from a login node
+
+submit and run check every line before they write anything. A sweep directory keeps the
+lines it was given once one of its runs started, or `submit` handed it to Slurm: a file
+with other lines is then refused; until then a new file replaces them.
 
 Settings, as environment variables: LOG_DIR (the directory that holds sweep
 directories, [./runs]), PYTHON (for `run` [this interpreter]); `submit` passes the
@@ -28,6 +34,7 @@ environment on to run_training.sbatch (VENV, DATA_DIR, MAX_RESTARTS, ...).
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -46,19 +53,57 @@ class SweepError(Exception):
     """One line on stderr and exit code 2."""
 
 
+def command(*args: object) -> str:
+    """A sweep.py command line for a message, quoted so that it works when pasted."""
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else PROG
+    return "python " + shlex.join([script, *map(str, args)])
+
+
 # ----------------------------------------------------------------------------- option lines
 
-def read_lines(path: Path) -> list[list[str]]:
-    """The runs of a sweep file: each non-blank line that is not a comment, split as a shell would."""
+RUN_DIR_OPTIONS = ("--run-name", "--run-dir", "--log-dir")  # the sweep sets them: LOG_DIR/<sweep>/<run name>
+
+
+def names_run_dir(word: str) -> bool:
+    """Whether a word of an option line is one of RUN_DIR_OPTIONS, or a prefix that argparse
+    could take for one (it accepts any unique prefix of a long option: --run-n, --log-d=x)."""
+    option = word.partition("=")[0]
+    return len(option) > 2 and any(name.startswith(option) for name in RUN_DIR_OPTIONS)
+
+
+def read_lines(path: Path, allow_run_dirs: bool = False) -> list[list[str]]:
+    """The runs of a sweep file: each line split as a shell would, # starting a comment,
+    blank ones left out. Every line is checked here, before anything is written: it must
+    be --options and values, and name no run directory (allow_run_dirs: reading back a
+    sweep directory that an older sweep.py wrote)."""
+    if path.is_dir():
+        hint = f"; the table of its runs: {command('summary', path)}" if (path / "sweep.txt").is_file() else ""
+        raise SweepError(f"{path} is a directory, not a sweep file{hint}")
     if not path.is_file():
-        raise SweepError(f"{path}: no such sweep file; write one option line per run, or: python sweep.py grid ... > {path}")
+        raise SweepError(f"{path}: no such sweep file; write one option line per run, or let grid write them, e.g. "
+                         f"{command('grid', '--lr', '1e-3', '3e-3', '--epochs', '4')} > {shlex.quote(str(path))}")
+    try:
+        data = path.read_bytes()
+        text = data.decode("utf-8")
+    except OSError as err:
+        raise SweepError(f"{path}: cannot read it ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        number = data.count(b"\n", 0, err.start) + 1
+        raise SweepError(f"{path}:{number}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
     runs = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip() and not line.lstrip().startswith("#"):
-            try:
-                runs.append(shlex.split(line))
-            except ValueError as err:
-                raise SweepError(f"{path}:{number}: {err}") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            words = shlex.split(line, comments=True)
+            as_options(words)
+        except (ValueError, SweepError) as err:
+            raise SweepError(f"{path}:{number}: {err}") from None
+        named = [word.partition("=")[0] for word in words if names_run_dir(word)]
+        if named and not allow_run_dirs:
+            raise SweepError(f"{path}:{number}: {named[0]}: a sweep names each run's directory itself (LOG_DIR/<sweep file's "
+                             "name>/<the options that vary>), so a line takes no --run-name, --run-dir or --log-dir; "
+                             "delete it, and set LOG_DIR to put the sweep elsewhere")
+        if words:
+            runs.append(words)
     if not runs:
         raise SweepError(f"{path} holds no option lines")
     return runs
@@ -110,7 +155,7 @@ def grid(args: list[str]) -> list[str]:
         else:
             axes[-1][1].append(arg)
     if not axes:
-        raise SweepError("grid: nothing to combine; e.g. python sweep.py grid --lr 1e-3 3e-3 --batch-size 64 128")
+        raise SweepError(f"grid: nothing to combine; e.g. {command('grid', '--lr', '1e-3', '3e-3', '--batch-size', '64', '128')}")
     choices = [[[flag, value] for value in values] or [[flag]] for flag, values in axes]
     return [shlex.join([word for pair in combo for word in pair]) for combo in itertools.product(*choices)]
 
@@ -131,16 +176,51 @@ def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     mnist_ddp.declare_hparams(sweep_dir, first)
 
 
+SUBMITTED = "submitted"  # in a sweep directory: the sbatch command lines `submit` ran
+
+
+def read_records(metrics_file: Path) -> list[dict]:
+    """A run's metrics.jsonl, without a line that a crash cut short (the run itself drops
+    it, with a warning, when it resumes)."""
+    records = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in metrics_file.read_text(errors="replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+    return [r for r in records if isinstance(r, dict)]
+
+
+def frozen_lines(copy: Path) -> list[list[str]] | None:
+    try:
+        return read_lines(copy, allow_run_dirs=True)
+    except SweepError:
+        return None  # an older sweep.py copied the file before checking it
+
+
+def ever_started(sweep_dir: Path) -> bool:
+    """Whether a run of the sweep directory ever started (its directory holds run.json or an
+    exit code), or `submit` handed the sweep to Slurm, whose tasks may still wait in the queue."""
+    return (sweep_dir / SUBMITTED).exists() or any((run_dir / name).exists() for run_dir in sweep_dir.iterdir()
+                                                   if run_dir.is_dir() for name in ("run.json", "exit-code", "exit-codes"))
+
+
 def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
     """(the runs, the sweep directory), with the file copied there as sweep.txt and the
-    HParams tab declared; a directory that ran other lines is refused."""
+    HParams tab declared, once every line passed its checks. A copy that runs were started
+    from stays: a file with other lines is refused; one that nothing ran from is replaced."""
     runs = read_lines(sweep_file)
     sweep_dir = sweep_dir_for(sweep_file, Path(os.environ.get("LOG_DIR", "runs")))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     copy = sweep_dir / "sweep.txt"
-    if copy.exists() and read_lines(copy) != runs:
-        raise SweepError(f"{copy} holds other option lines: this sweep ran with them; rename {sweep_file} to start "
-                         "another sweep, or delete that directory")
+    if copy.exists() and frozen_lines(copy) != runs:
+        if ever_started(sweep_dir):
+            raise SweepError(f"{copy} holds other option lines: this sweep ran (or was submitted) with them; rename "
+                             f"{sweep_file} to start another sweep, or delete that directory")
+        print(f"{copy}: no run of its lines started; replacing it with {sweep_file}", flush=True)
+        # The tab is declared afresh too, with what the new lines vary first.
+        (sweep_dir / ".hparams-declared").unlink(missing_ok=True)
+        for declaration in sweep_dir.glob("events.out.tfevents.*.hparams"):
+            declaration.unlink()
+    sweep_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(sweep_file, copy)  # the tasks read this copy: editing the original later changes nothing
     declare_hparams(sweep_dir, runs)
     return runs, sweep_dir
@@ -148,15 +228,17 @@ def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
 
 def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
     runs, sweep_dir = prepare(sweep_file)
-    copy = sweep_dir / "sweep.txt"
     if shutil.which("sbatch") is None:
-        raise SweepError("sbatch is not on the PATH; on a machine without Slurm use: python sweep.py run " + str(sweep_file))
+        raise SweepError(f"sbatch is not on the PATH; on a machine without Slurm use: {command('run', sweep_file)}")
     array = f"0-{len(runs) - 1}" + (f"%{parallel}" if parallel else "")
     cmd = ["sbatch", f"--array={array}", f"--job-name={sweep_dir.name}", f"--output={sweep_dir.name}-%A_%a.out",
            *sbatch_options, str(HERE / "run_training.sbatch")]
-    env = {**os.environ, "SWEEP_FILE": str(copy.resolve()), "LOG_DIR": str(sweep_dir.resolve())}
-    print(f"{len(runs)} runs in {sweep_dir}: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    env = {"SWEEP_FILE": str((sweep_dir / "sweep.txt").resolve()), "LOG_DIR": str(sweep_dir.resolve())}
+    line = " ".join([*(f"{name}={shlex.quote(value)}" for name, value in env.items()), shlex.join(cmd)])
+    print(f"{len(runs)} runs in {sweep_dir}: {line}", flush=True)
+    with open(sweep_dir / SUBMITTED, "a") as record:  # from now on sweep.txt stays: queued tasks will read it
+        record.write(line + "\n")
+    return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
 
 def run_locally(sweep_file: Path) -> int:
@@ -167,6 +249,11 @@ def run_locally(sweep_file: Path) -> int:
     for i, (name, args) in enumerate(zip(names_of(runs), runs, strict=True)):
         print(f"== run {i + 1}/{len(runs)}: {name}", flush=True)
         code = subprocess.run([python, str(HERE / "mnist_ddp.py"), *args, "--log-dir", str(sweep_dir), "--run-name", name]).returncode
+        code = 128 - code if code < 0 else code  # killed by signal N: 128+N, as a shell and Slurm say
+        # For summary, as run_training.sbatch writes it: also when mnist_ddp.py stopped before
+        # it made the run's directory (a bad option, exit 2).
+        (sweep_dir / name).mkdir(exist_ok=True)
+        (sweep_dir / name / "exit-code").write_text(f"{code}\n")
         if code:
             failed.append(f"{name} (exit {code})")
     print(summary_table(collect(sweep_dir)))
@@ -206,7 +293,7 @@ def collect(sweep_dir: Path) -> list[dict]:
     if not sweep_dir.is_dir():
         raise SweepError(f"{sweep_dir}: no such sweep directory; pass LOG_DIR/NAME, e.g. runs/lr-bs")
     sweep_file = sweep_dir / "sweep.txt"
-    runs = read_lines(sweep_file) if sweep_file.exists() else []
+    runs = read_lines(sweep_file, allow_run_dirs=True) if sweep_file.exists() else []
     varied = varying(runs) if runs else []
     names = names_of(runs) if runs else sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").exists()
                                                or (p / "exit-code").exists() or (p / "exit-codes").exists())
@@ -214,7 +301,7 @@ def collect(sweep_dir: Path) -> list[dict]:
     for i, name in enumerate(names):
         run_dir = sweep_dir / name
         metrics_file = run_dir / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+        records = read_records(metrics_file)
         last = records[-1] if records else {}
         options = as_options(runs[i]) if runs else {}
         rows.append({"run": name, "options": {k: options.get(k) for k in varied},

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import mnist_ddp
-from conftest import SCRIPT, assert_ok, clean_env, read_metrics, run_as_srun, run_single
+from conftest import SCRIPT, assert_ok, clean_env, read_metrics, run_as_srun, run_single, run_torchrun
 from mnist_ddp import EXIT_DIVERGED, EXIT_STOPPED, Launch, read_checkpoint, requeue_slurm_job
 
 FAST = ["--epochs", "2", "--batch-size", "256"]  # 16 steps per epoch on the sample
@@ -127,4 +127,62 @@ def test_stop_when_scontrol_cannot_reach_slurm_still_exits_75(workdir):
     procs = run_as_srun(2, [*FAST, "--run-dir", "run", "--interrupt-at", "4:USR1"], cwd=workdir, job_id="99", detach=True)
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], outputs[0][1][-2000:]
-    assert "to continue: srun [the same srun options] python " in outputs[0][0]
+    assert "to continue: srun --nodes=1 --ntasks=2 python " in outputs[0][0]
+
+
+def run_printed(text: str, after: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """Run the command printed after `after` exactly as printed, as a user would paste it,
+    with this environment's bin/ (python, torchrun) first on the PATH."""
+    line = text[text.index(after) + len(after):].splitlines()[0].strip()
+    path = f"{Path(sys.executable).parent}:{clean_env()['PATH']}"
+    return subprocess.run(line, shell=True, cwd=cwd, env=clean_env(PATH=path, **env), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_continue_line_leaves_out_resume_and_interrupt_at(workdir):
+    """--resume never and --interrupt-at would refuse the run's own checkpoints or stop it
+    again: the printed line carries the run on without them, twice in a row."""
+    args = ["--epochs", "2", "--batch-size", "256", "--run-name", "p", "--resume", "never"]
+    first = run_single([*args, "--interrupt-at", "3:USR1"], cwd=workdir)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    line = first.stdout.split("to continue: ")[1].splitlines()[0]
+    assert "--resume" not in line and "--interrupt-at" not in line
+    again = run_printed(first.stdout, "to continue: ", workdir)
+    assert_ok(again)
+    assert "resumed from runs/p/checkpoints/ckpt-00000004.pt" in again.stdout
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "p")] == [1, 2]
+
+
+def test_train_it_longer_works_as_printed_twice(workdir):
+    """Each "to train it longer" line, run as printed, trains 4 more epochs; the second one
+    too (it must not lose a token after a flag that the first one changed)."""
+    base = ["--epochs", "1", "--batch-size", "256", "--run-name", "l"]
+    assert_ok(run_single(base, cwd=workdir))
+    done = run_single(base, cwd=workdir)
+    for epochs in (5, 9):
+        assert_ok(done)
+        longer = run_printed(done.stdout, "to train it longer: ", workdir)
+        assert_ok(longer)
+        assert len(read_metrics(workdir / "runs" / "l")) == epochs
+        done = run_printed(done.stdout, "to train it longer: ", workdir)  # the same line again: complete now
+
+
+def test_divergence_advice_keeps_every_other_option(workdir):
+    args = ["--lr", "1e5", "--allow-changes", "--epochs", "1", "--ckpt-every", "2", "--run-name", "hot"]
+    result = run_single(args, cwd=workdir)
+    assert result.returncode == EXIT_DIVERGED
+    line = result.stderr.split("with a lower learning rate: ")[1].splitlines()[0]
+    assert shlex.split(line)[-5:] == ["--run-name", "hot", "--lr", "3.33e+04", "--allow-changes"]
+    again = run_printed(result.stderr, "with a lower learning rate: ", workdir)
+    assert again.returncode == EXIT_DIVERGED, again.stderr[-2000:]
+    assert "resumed with changed options (--allow-changes): --lr 100000.0 there, 33300.0 here" in again.stdout
+
+
+def test_torchrun_continue_line_runs_as_printed(workdir):
+    stopped = run_torchrun(2, ["--epochs", "1", "--batch-size", "256", "--run-name", "tr", "--interrupt-at", "3:USR1"],
+                           cwd=workdir)
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
+    assert "to continue: torchrun --standalone --nproc-per-node=2 " in stopped.stdout
+    again = run_printed(stopped.stdout, "to continue: ", workdir, OMP_NUM_THREADS="1")
+    assert_ok(again)
+    assert "resumed from runs/tr/checkpoints/ckpt-00000004.pt" in again.stdout

@@ -1,0 +1,226 @@
+"""Nothing saved is lost and nothing is logged twice, in the odd cases a user meets: a stop
+at the very last step or a kill during the last evaluation, a resume with another world
+size or from an earlier checkpoint, a run directory with logs but no checkpoint that
+loads, a --max-steps cap lifted later, a torn line in metrics.jsonl, two runs of one name
+at once and unnamed runs started in the same second, Ctrl-C (also under torchrun), and
+an exit-code file that always tells how rank 0 ended. Real processes, real signals.
+
+    python -m pytest tests/test_nothing_lost.py
+"""
+
+import gzip
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from conftest import SAMPLE, SCRIPT, assert_ok, clean_env, read_metrics, run_single, run_torchrun
+from mnist_ddp import EXIT_STOPPED
+
+BATCH = 256
+ONE_EPOCH = ["--epochs", "1", "--batch-size", str(BATCH)]
+
+
+def steps_per_epoch(batch: int = BATCH, ranks: int = 1) -> int:
+    """From the sample's own label file, so the tests do not hard-code its size."""
+    with gzip.open(SAMPLE / "train-labels-idx1-ubyte.gz") as fh:
+        count = int.from_bytes(fh.read(8)[4:], "big")
+    return math.ceil(count // ranks / batch)
+
+
+def run_driver(code: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """mnist_ddp.main(args) in a process of its own, after `code` changed something in it."""
+    driver = f"import os, signal, sys, mnist_ddp\n{code}\nsys.exit(mnist_ddp.main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", driver, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_stop_at_the_very_last_step_still_finishes_the_run(workdir):
+    last = steps_per_epoch()
+    stopped = run_single([*ONE_EPOCH, "--run-name", "a", "--interrupt-at", f"{last}:USR1"], cwd=workdir)
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
+    assert f"stopping on SIGUSR1 at step {last}" in stopped.stdout
+    finished = run_single([*ONE_EPOCH, "--run-name", "a"], cwd=workdir)
+    assert_ok(finished)
+    assert "already complete" not in finished.stdout and "saved runs/a/model.pt" in finished.stdout
+    assert [(m["epoch"], m["step"]) for m in read_metrics(workdir / "runs" / "a")] == [(1, last)]
+    again = run_single([*ONE_EPOCH, "--run-name", "a"], cwd=workdir)
+    assert_ok(again)
+    assert f"runs/a is already complete (epoch 1, step {last})" in again.stdout
+
+
+def test_kill_during_the_last_evaluation_still_finishes_the_run(workdir):
+    """A checkpoint comes at the last step (--ckpt-every divides it), then the process dies
+    in the evaluation that follows: the next run evaluates and writes model.pt."""
+    last = steps_per_epoch()
+    args = [*ONE_EPOCH, "--run-name", "k", "--ckpt-every", str(last)]
+    killed = run_driver("mnist_ddp.evaluate = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)", args, workdir)
+    assert killed.returncode == -signal.SIGKILL
+    assert (workdir / "runs" / "k" / "checkpoints" / f"ckpt-{last:08d}.pt").is_file()
+    again = run_single(args, cwd=workdir)
+    assert_ok(again)
+    assert (workdir / "runs" / "k" / "model.pt").is_file()
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "k")] == [1]
+
+
+def test_another_world_size_keeps_the_step_count_and_the_logged_epochs(workdir):
+    """One process stops in epoch 2; two ranks go on (restarting that epoch, in their own
+    steps), finish, and the finished run stays finished, with every epoch logged once and
+    the newest checkpoint the last one written."""
+    per_epoch = steps_per_epoch(128)
+    args = ["--epochs", "2", "--ckpt-every", "10", "--run-name", "w"]
+    first = run_single([*args, "--interrupt-at", f"{per_epoch + 10}:USR1"], cwd=workdir)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    second = run_torchrun(2, args, cwd=workdir)
+    assert_ok(second)
+    run_dir = workdir / "runs" / "w"
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
+    assert steps == [per_epoch, per_epoch + steps_per_epoch(128, ranks=2)]
+    newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert newest.name == f"ckpt-{steps[-1]:08d}.pt"
+    third = run_torchrun(2, args, cwd=workdir)
+    assert_ok(third)
+    assert f"runs/w is already complete (epoch 2, step {steps[-1]})" in third.stdout
+    assert [m["step"] for m in read_metrics(run_dir)] == steps
+
+
+def test_rollback_to_an_earlier_checkpoint_is_the_path_that_continues(workdir):
+    args = ["--epochs", "1", "--batch-size", "128", "--ckpt-every", "5", "--keep-ckpts", "20", "--run-name", "r"]
+    assert_ok(run_single(args, cwd=workdir))
+    checkpoints = workdir / "runs" / "r" / "checkpoints"
+    back = checkpoints / "ckpt-00000010.pt"
+    rolled = run_single([*args, "--resume", str(back), "--epochs", "2", "--allow-changes", "--interrupt-at", "15:USR1"],
+                        cwd=workdir)
+    assert rolled.returncode == EXIT_STOPPED, rolled.stderr[-2000:]
+    assert "stopping on SIGUSR1 at step 15: saved runs/r/checkpoints/ckpt-00000015.pt" in rolled.stdout
+    assert (checkpoints / "ckpt-00000015.pt").is_file()  # the file the stop line names is there
+    resumed = run_single([*args, "--epochs", "2", "--allow-changes"], cwd=workdir)
+    assert_ok(resumed)
+    assert "resumed from runs/r/checkpoints/ckpt-00000015.pt: epoch 1, step 15" in resumed.stdout
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "r")] == [1, 2]
+
+
+def test_no_checkpoint_that_loads_starts_over_and_says_so(workdir):
+    args = [*ONE_EPOCH, "--run-name", "n"]
+    assert_ok(run_single(args, cwd=workdir))
+    for path in (workdir / "runs" / "n" / "checkpoints").glob("ckpt-*.pt"):
+        path.write_bytes(b"not a checkpoint")
+    again = run_single(args, cwd=workdir)
+    assert_ok(again)
+    assert "no checkpoint that loads: starting the run over from step 0" in again.stderr
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "n")] == [1]  # not 1, 1
+
+
+def test_lifting_the_step_cap_trains_on(workdir):
+    """--max-steps stops the run in mid-epoch 2; the printed "to train it longer" lifts the
+    cap, and the run finishes epoch 2 from where the cap stopped it."""
+    per_epoch = steps_per_epoch()
+    args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "m"]
+    capped = run_single([*args, "--max-steps", str(per_epoch + 4)], cwd=workdir)
+    assert_ok(capped)
+    done = run_single([*args, "--max-steps", str(per_epoch + 4)], cwd=workdir)
+    assert_ok(done)
+    assert f"runs/m is already complete (epoch 2, step {per_epoch + 4}); to train it longer: " in done.stdout
+    line = done.stdout.split("to train it longer: ")[1].splitlines()[0]
+    assert "--max-steps 0" in line and "--allow-changes" in line
+    longer = run_single([*args, "--max-steps", "0", "--allow-changes"], cwd=workdir)
+    assert_ok(longer)
+    assert f"resumed from runs/m/checkpoints/ckpt-{per_epoch + 4:08d}.pt: epoch 2, step {per_epoch + 4}" in longer.stdout
+    assert [m["step"] for m in read_metrics(workdir / "runs" / "m")] == [per_epoch, per_epoch + 4, 2 * per_epoch]
+
+
+def test_torn_last_line_of_metrics_is_dropped_with_a_warning(workdir):
+    args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "t"]
+    assert run_single([*args, "--interrupt-at", f"{steps_per_epoch() + 2}:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    metrics = workdir / "runs" / "t" / "metrics.jsonl"
+    with open(metrics, "a") as fh:
+        fh.write('{"epoch": 2, "step": 6')
+    again = run_single(args, cwd=workdir)
+    assert_ok(again)
+    assert "warning: dropping line 2 of runs/t/metrics.jsonl" in again.stderr
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "t")] == [1, 2]
+
+
+def test_two_runs_of_one_name_at_once(workdir):
+    args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "twice", "--ckpt-every", "1", "--keep-ckpts", "1"]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=workdir, env=clean_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    refused = next(err for code, _, err in results if code == 2)
+    assert refused.count("\n") == 1 and "error: another run is using runs/twice (pid " in refused
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "twice")] == [1, 2]
+    assert (workdir / "runs" / "twice" / "exit-code").read_text() == "0\n"
+
+
+def test_unnamed_runs_started_in_the_same_second_get_their_own_directories(workdir):
+    fixed_clock = "mnist_ddp.time.strftime = lambda fmt, *t: '20260101-000000'"
+    driver = f"import sys, mnist_ddp\n{fixed_clock}\nsys.exit(mnist_ddp.main(sys.argv[1:]))"
+    assert_ok(run_single(["--download-only"], cwd=workdir))
+    procs = [subprocess.Popen([sys.executable, "-c", driver, "--epochs", "1", "--max-steps", "2"], cwd=workdir,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0, 0], [p.communicate()[1][-1000:] for p in procs]
+    run_dirs = sorted(p.name for p in (workdir / "runs").iterdir() if p.is_dir())
+    assert run_dirs == ["20260101-000000", "20260101-000000-2", "20260101-000000-3", "20260101-000000-4"]
+    assert all(len(read_metrics(workdir / "runs" / name)) == 1 for name in run_dirs)
+
+
+def press_ctrl_c(command: list[str], cwd: Path, times: int) -> tuple[int, str]:
+    """Start `command` as a terminal would start it, and once it logged its first epoch send
+    SIGINT to its whole process group `times` times, 0.2 s apart, as Ctrl-C does."""
+    proc = subprocess.Popen(command, cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("epoch   1 |"):
+            for _ in range(times):
+                os.killpg(proc.pid, signal.SIGINT)
+                time.sleep(0.2)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    return proc.returncode, "".join(seen) + rest
+
+
+def test_ctrl_c_saves_a_checkpoint_and_records_it(workdir):
+    code, out = press_ctrl_c([sys.executable, str(SCRIPT), "--epochs", "3", "--run-name", "c"], workdir, times=1)
+    assert code == EXIT_STOPPED, out[-3000:]
+    assert "stopping on SIGINT at step " in out and "Traceback" not in out
+    assert "requeueing" not in out and "to continue: python " in out
+    assert (workdir / "runs" / "c" / "exit-code").read_text() == f"{EXIT_STOPPED}\n"
+    assert list((workdir / "runs" / "c" / "checkpoints").glob("ckpt-*.pt"))
+
+
+def test_ctrl_c_twice_under_torchrun_saves_and_leaves_no_traceback_on_the_ranks(workdir):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
+               "--epochs", "3", "--run-name", "c2"]
+    _, out = press_ctrl_c(command, workdir, times=2)
+    assert "stopping on SIGINT at step " in out, out[-3000:]
+    assert "KeyboardInterrupt" not in out  # torchrun's own agent may print its SignalException
+    assert (workdir / "runs" / "c2" / "exit-code").read_text() == f"{EXIT_STOPPED}\n"
+    saved = sorted((workdir / "runs" / "c2" / "checkpoints").glob("ckpt-*.pt"))
+    assert saved and torch.load(saved[-1], weights_only=True)["progress"]["step"] >= steps_per_epoch(128, ranks=2)
+
+
+def test_exit_code_is_rewritten_by_every_end_of_rank_0(workdir):
+    """A stop records 75; a refused resume afterwards records 2, and "already complete" 0,
+    instead of leaving the 75 of the earlier attempt."""
+    args = [*ONE_EPOCH, "--run-name", "e"]
+    exit_code = workdir / "runs" / "e" / "exit-code"
+    assert run_single([*args, "--interrupt-at", "3:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    assert exit_code.read_text() == "75\n"
+    refused = run_single([*args, "--lr", "1e-3"], cwd=workdir)  # another --lr without --allow-changes
+    assert refused.returncode == 2 and exit_code.read_text() == "2\n"
+    assert_ok(run_single(args, cwd=workdir))
+    (exit_code).write_text("75\n")
+    assert_ok(run_single(args, cwd=workdir))  # already complete
+    assert exit_code.read_text() == "0\n"
+    assert json.loads((workdir / "runs" / "e" / "run.json").read_text())["config"]["run_name"] == "e"

@@ -1,0 +1,166 @@
+"""Sweep files, without Slurm: what sweep.py takes from a sweep file (# comments anywhere,
+quoted values) and what it refuses (a line that names its run's directory, a file that is
+not UTF-8, a directory), each with one line and exit code 2 before it writes anything;
+that `sweep.py run` records every run's exit code for the summary; and when a sweep
+directory takes a new file. Everything runs as a user runs it, through `python sweep.py`;
+a command that a message prints is run as printed.
+
+    python -m pytest tests/test_sweep_files.py
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from test_sweep import hparams_sessions, run_sweep
+
+from conftest import clean_env
+
+BIN = Path(sys.executable).parent
+NO_SLURM = str(BIN)  # a PATH without sbatch: `submit` checks and copies, and can reach no cluster
+
+
+def summary_states(sweep_dir: Path, option: str) -> dict[str, str]:
+    rows = json.loads(run_sweep(["summary", str(sweep_dir), "--json"], sweep_dir).stdout)
+    return {r["options"][option]: r["state"] for r in rows}
+
+
+def run_printed(message: str, marker: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run the command that follows `marker` in a message, as a user pastes it."""
+    printed = message.split(marker, 1)[1].strip()
+    return subprocess.run(shlex.split(printed), cwd=cwd, env=clean_env(PATH=f"{BIN}:/usr/bin:/bin"),
+                          capture_output=True, text=True, timeout=600)
+
+
+# ----------------------------------------------------------------------------- what a line may hold
+
+def test_a_line_that_names_its_run_directory_is_refused_before_anything_is_written(tmp_path):
+    """The sweep names each run's directory itself: --run-name, --run-dir, --log-dir, and
+    any prefix argparse would take for one of them, are refused on every command that
+    reads the file, naming the line."""
+    for option in ("--run-name mine", "--run-name=mine", "--run-n mine", "--run-dir d", "--run-d=d", "--log-dir d",
+                   "--log-d d", "--log-di=d"):
+        (tmp_path / "named.txt").write_text(f"--lr 1e-3 --max-steps 1 --epochs 1\n# the second run\n"
+                                            f"--lr 3e-3 {option} --max-steps 1 --epochs 1\n")
+        flag = option.split()[0].split("=")[0]
+        for command in (["task", "named.txt", "0"], ["run", "named.txt"], ["submit", "named.txt"]):
+            result = run_sweep(command, tmp_path, PATH=NO_SLURM)
+            assert result.returncode == 2, (option, command, result.stdout[-2000:], result.stderr[-2000:])
+            assert result.stderr.startswith(f"sweep.py: error: named.txt:3: {flag}: a sweep names each run's directory "
+                                            "itself") and result.stderr.count("\n") == 1, result.stderr
+            assert not (tmp_path / "runs").exists(), "something was written before the check"
+
+
+def test_a_hash_starts_a_comment_anywhere_and_quoted_values_keep_theirs(tmp_path):
+    """`# ...` after the options is a comment, as in a shell; a # inside quotes, or escaped,
+    is part of the value, and the runs get those values for real."""
+    (tmp_path / "notes.txt").write_text("# two data directories whose names hold a #\n"
+                                        "--lr 3e-3 --max-steps 2 --epochs 1 --data-dir 'data #1'  # baseline\n"
+                                        "   # an indented comment\n"
+                                        "--lr 3e-3 --max-steps 2 --epochs 1 --data-dir data\\#2  # the same, escaped\n")
+    task = run_sweep(["task", "notes.txt", "0"], tmp_path)
+    assert (task.returncode, task.stdout) == (0, "data-dir=data__1\n--lr\n3e-3\n--max-steps\n2\n--epochs\n1\n"
+                                                 "--data-dir\ndata #1\n"), task.stderr
+    result = run_sweep(["run", "notes.txt"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sweep_dir = tmp_path / "runs" / "notes"
+    assert summary_states(sweep_dir, "data-dir") == {"data #1": "done", "data#2": "done"}
+    for run, data_dir in (("data-dir=data__1", "data #1"), ("data-dir=data_2", "data#2")):
+        assert json.loads((sweep_dir / run / "run.json").read_text())["config"]["data_dir"] == data_dir
+        assert (tmp_path / data_dir).is_dir()
+
+
+# ----------------------------------------------------------------------------- files that are not sweep files
+
+def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path):
+    """Not UTF-8, a directory, a file that is not there: one line each, exit 2, nothing
+    written; the commands the messages suggest work as printed."""
+    (tmp_path / "latin1.txt").write_bytes("--lr 1e-3\n--lr 3e-3  # réglage\n".encode("latin-1"))
+    (tmp_path / "sweeps").mkdir()
+    for name, error in (("latin1.txt", "latin1.txt:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"),
+                        ("sweeps", "sweeps is a directory, not a sweep file")):
+        for command in (["run", name], ["submit", name], ["task", name, "0"]):
+            result = run_sweep(command, tmp_path, PATH=NO_SLURM)
+            assert (result.returncode, result.stderr) == (2, f"sweep.py: error: {error}\n"), (command, result.stderr[-2000:])
+    assert not (tmp_path / "runs").exists()
+    # A file that is not there: the message's example writes one, as printed (through a shell: it redirects).
+    missing = run_sweep(["run", "my sweep.txt"], tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    example = missing.stderr.split("let grid write them, e.g. ", 1)[1]
+    assert example.endswith(" > 'my sweep.txt'\n")
+    subprocess.run(["bash", "-c", example], cwd=tmp_path, env=clean_env(PATH=f"{BIN}:/usr/bin:/bin"), check=True, timeout=60)
+    written = run_sweep(["task", "my sweep.txt", "1"], tmp_path)
+    assert (written.returncode, written.stdout) == (0, "lr=3e-3\n--lr\n3e-3\n--epochs\n4\n"), written.stderr
+    # A sweep directory where a sweep file goes: the message names the command for its table,
+    # and that command works as printed, from a LOG_DIR whose name needs quoting.
+    (tmp_path / "lr.txt").write_text("--lr 1e-3 --max-steps 2\n--lr 3e-3 --max-steps 2\n")
+    assert run_sweep(["submit", "lr.txt"], tmp_path, PATH=NO_SLURM, LOG_DIR="my runs").returncode == 2  # no sbatch here
+    result = run_sweep(["run", "my runs/lr"], tmp_path)
+    assert result.returncode == 2 and result.stderr.startswith("sweep.py: error: my runs/lr is a directory, not a sweep file; "
+                                                               "the table of its runs: python "), result.stderr
+    table = run_printed(result.stderr, "the table of its runs: ", tmp_path)
+    assert table.returncode == 0, table.stderr
+    assert [line.split()[1:2] + line.split()[-2:] for line in table.stdout.splitlines()[1:]] == [
+        ["1e-3", "pending", "lr=1e-3"], ["3e-3", "pending", "lr=3e-3"]]
+
+
+# ----------------------------------------------------------------------------- running and re-running a sweep
+
+def test_sweep_run_records_each_exit_code_so_a_bad_option_shows_as_failed(tmp_path):
+    """A line with a bad value stops mnist_ddp.py before it makes its run directory; the
+    summary still shows it failed with its exit code, as under Slurm, not pending."""
+    (tmp_path / "bad.txt").write_text("--lr -1 --epochs 1 --max-steps 2\n--lr 3e-3 --epochs 1 --max-steps 2\n")
+    result = run_sweep(["run", "bad.txt"], tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "mnist_ddp.py: error: --lr must be a positive number, got -1.0" in result.stderr
+    assert result.stderr.endswith("sweep.py: 1 of 2 runs failed: lr=-1 (exit 2)\n")
+    sweep_dir = tmp_path / "runs" / "bad"
+    assert summary_states(sweep_dir, "lr") == {"-1": "failed (exit 2: usage)", "3e-3": "done"}
+    assert [(sweep_dir / run / "exit-code").read_text() for run in ("lr=-1", "lr=3e-3")] == ["2\n", "0\n"]
+
+
+def test_a_refused_file_can_be_fixed_and_a_copy_that_nothing_ran_from_is_replaced(tmp_path):
+    """The lines are checked before the file is copied, so a fixed file runs; a copy that
+    no run started from (submit on a machine without sbatch) gives way to a new file, the
+    HParams tab too; once runs started from it, it stays and another file is refused."""
+    sweep_file = tmp_path / "lr sweep.txt"
+    sweep_file.write_text("--lr 1e-3 3e-3 --max-steps 2 --epochs 1\n")  # a grid line, meant for `grid`
+    typo = run_sweep(["run", sweep_file.name], tmp_path)
+    assert not (tmp_path / "runs").exists(), "the refused file was copied"
+    assert (typo.returncode, typo.stderr) == (2, "sweep.py: error: lr sweep.txt:1: expected an --option, got '3e-3' in: "
+                                                 "--lr 1e-3 3e-3 --max-steps 2 --epochs 1\n")
+    sweep_dir = tmp_path / "runs" / "lr_sweep"
+    copy = sweep_dir / "sweep.txt"
+    sweep_file.write_text("--lr 1e-3 --max-steps 2 --epochs 1\n--lr 3e-3 --max-steps 2 --epochs 1\n")
+    no_slurm = run_sweep(["submit", sweep_file.name], tmp_path, PATH=NO_SLURM)
+    assert no_slurm.returncode == 2 and "sbatch is not on the PATH" in no_slurm.stderr and copy.exists()
+    # Changed again before anything ran: the command the message prints runs the new lines.
+    sweep_file.write_text("--batch-size 32 --max-steps 2 --epochs 1\n--batch-size 64 --max-steps 2 --epochs 1\n")
+    ran = run_printed(no_slurm.stderr, "without Slurm use: ", tmp_path)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert f"{copy.relative_to(tmp_path)}: no run of its lines started; replacing it with lr sweep.txt" in ran.stdout
+    assert copy.read_text() == sweep_file.read_text()
+    assert summary_states(sweep_dir, "batch-size") == {"32": "done", "64": "done"}
+    hparams_sessions(sweep_dir, first=["batch_size", "global_batch"])
+    # Now runs started from it: a changed file is refused and the copy stays.
+    frozen = copy.read_text()
+    sweep_file.write_text("--lr 1e-2 --max-steps 2 --epochs 1\n")
+    for command in (["run", sweep_file.name], ["submit", sweep_file.name]):
+        refused = run_sweep(command, tmp_path, PATH=NO_SLURM)
+        assert refused.returncode == 2 and "holds other option lines: this sweep ran" in refused.stderr, refused.stderr
+        assert copy.read_text() == frozen
+
+
+def test_summary_reads_past_a_torn_metrics_line(tmp_path):
+    """A crash while a run appended to its metrics.jsonl leaves half a line: the summary
+    still lists the run, from its whole lines."""
+    run_dir = tmp_path / "runs" / "torn" / "lr=1e-3"
+    run_dir.mkdir(parents=True)
+    whole = {"epoch": 1, "step": 16, "test_accuracy": 0.9, "test_loss": 0.3, "train_loss": 0.4, "epoch_s": 1.5}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(whole) + '\n{"epoch": 2, "step": 3')
+    result = run_sweep(["summary", str(tmp_path / "runs" / "torn"), "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["run"], r["epochs"], r["test_accuracy"]) for r in rows] == [("lr=1e-3", 1, 0.9)]
