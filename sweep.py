@@ -41,6 +41,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -245,7 +246,10 @@ def run_locally(sweep_file: Path) -> int:
     """One run after another in this process's environment, each in its own run directory."""
     runs, sweep_dir = prepare(sweep_file)
     python = os.environ.get("PYTHON", sys.executable)
-    failed = []
+    failed, interrupted = [], []
+    # Ctrl-C reaches the run too, which saves a checkpoint and exits 75: wait for that, then
+    # stop here instead of dying at once and leaving the run to be killed mid-save.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
     for i, (name, args) in enumerate(zip(names_of(runs), runs, strict=True)):
         print(f"== run {i + 1}/{len(runs)}: {name}", flush=True)
         code = subprocess.run([python, str(HERE / "mnist_ddp.py"), *args, "--log-dir", str(sweep_dir), "--run-name", name]).returncode
@@ -256,6 +260,12 @@ def run_locally(sweep_file: Path) -> int:
         (sweep_dir / name / "exit-code").write_text(f"{code}\n")
         if code:
             failed.append(f"{name} (exit {code})")
+        if interrupted:
+            signal.signal(signal.SIGINT, previous)
+            print(f"{PROG}: stopped on Ctrl-C in run {i + 1} of {len(runs)}; to go on (finished runs say so, a stopped "
+                  f"one resumes): {command('run', sweep_file)}", file=sys.stderr, flush=True)
+            return 75
+    signal.signal(signal.SIGINT, previous)
     print(summary_table(collect(sweep_dir)))
     if failed:
         print(f"{PROG}: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}", file=sys.stderr)

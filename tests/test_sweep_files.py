@@ -164,3 +164,19 @@ def test_summary_reads_past_a_torn_metrics_line(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [(r["run"], r["epochs"], r["test_accuracy"]) for r in rows] == [("lr=1e-3", 1, 0.9)]
+
+
+def test_ctrl_c_in_a_local_sweep_lets_the_run_save_and_the_printed_line_goes_on(tmp_path):
+    """Ctrl-C reaches `sweep.py run` and its training run alike: the run saves and exits 75,
+    the sweep stops there and prints how to go on, and that line finishes both runs."""
+    from test_nothing_lost import press_ctrl_c
+
+    (tmp_path / "cc.txt").write_text("--epochs 2 --batch-size 256 --lr 3e-3\n--epochs 2 --batch-size 256 --lr 1e-3\n")
+    code, out = press_ctrl_c([sys.executable, str(Path(__file__).parents[1] / "sweep.py"), "run", "cc.txt"], tmp_path, 1)
+    assert code == 75, out[-3000:]
+    assert "stopping on SIGINT at step " in out and "Traceback" not in out
+    assert (tmp_path / "runs" / "cc" / "lr=3e-3" / "exit-code").read_text() == "75\n"
+    assert not (tmp_path / "runs" / "cc" / "lr=1e-3").exists()
+    again = run_printed(out, "a stopped one resumes): ", tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert summary_states(tmp_path / "runs" / "cc", "lr") == {"3e-3": "done", "1e-3": "done"}
