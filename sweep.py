@@ -117,6 +117,8 @@ def as_options(args: list[str]) -> dict[str, str]:
         if not args[i].startswith("--"):
             raise SweepError(f"expected an --option, got {args[i]!r} in: {shlex.join(args)}")
         name, eq, value = args[i][2:].partition("=")
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", name):
+            raise SweepError(f"{args[i].partition('=')[0]!r} is not an option name (--lower-case-words)")
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
             value, i = args[i + 1], i + 1
         options[name] = value
@@ -164,7 +166,10 @@ def grid(args: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------- launching
 
 def sweep_dir_for(sweep_file: Path, log_dir: Path) -> Path:
-    return log_dir / re.sub(r"[^\w.+=,@-]", "_", sweep_file.stem)
+    name = re.sub(r"[^\w.+=,@-]", "_", sweep_file.stem)
+    if name in ("", ".", ".."):
+        raise SweepError(f"{sweep_file}: its name gives no directory for the sweep (LOG_DIR/{name}); rename the file")
+    return log_dir / name
 
 
 def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:

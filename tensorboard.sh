@@ -20,7 +20,8 @@
 #
 # Usage: tensorboard.sh [--logdir DIR] [--port N] [--bind-all] [-- extra tensorboard options]
 #   --logdir DIR   directory holding the run directories     [LOG_DIR, else ./runs]
-#   --port N       port to try first; if taken, the next free one is used  [PORT, else 6006]
+#   --port N       port to try first, 1024-65535; if taken, the next free one is used
+#                  [PORT, else 6006]
 #                  random: a random port from 20000-29999, harder for others on the node to guess
 #   --bind-all     listen on every interface: anyone who can reach this node sees your runs
 #   -h, --help     this text
@@ -35,6 +36,7 @@
 set -euo pipefail
 
 die() { echo "tensorboard.sh: $*" >&2; exit 2; }
+quoted() { local line; printf -v line '%q ' "$@"; echo "${line% }"; }  # a command line to paste
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
 logdir=${LOG_DIR:-runs}
@@ -61,9 +63,11 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 if [[ $port == random ]]; then port=$((20000 + RANDOM % 10000)); fi  # then the next free one, below
-if [[ ! $port =~ ^[0-9]+$ ]] || (( port < 1024 || port > 65535 )); then
+# As a decimal number: bash's arithmetic reads 00080 as octal, and 08 not at all.
+if [[ ! $port =~ ^0*([0-9]{1,5})$ ]] || (( 10#${BASH_REMATCH[1]} < 1024 || 10#${BASH_REMATCH[1]} > 65535 )); then
     die "--port must be a number from 1024 to 65535 or 'random', got '$port'"
 fi
+port=$((10#${BASH_REMATCH[1]}))
 [[ -d $logdir ]] || die "log directory '$logdir' does not exist; train first (python mnist_ddp.py) or pass --logdir DIR"
 
 if ! command -v tensorboard >/dev/null 2>&1; then
@@ -73,7 +77,7 @@ if ! command -v tensorboard >/dev/null 2>&1; then
         "(source .venv/bin/activate, or set VENV=path) or run: pip install -r requirements.txt"
     # shellcheck disable=SC1091  # the user's environment
     source "$venv/bin/activate"
-    command -v tensorboard >/dev/null 2>&1 || die "$venv has no tensorboard; run: $venv/bin/pip install -r requirements.txt"
+    command -v tensorboard >/dev/null 2>&1 || die "$venv has no tensorboard; run: $(quoted "$venv/bin/pip") install -r requirements.txt"
 fi
 
 port_is_free() {  # bind where TensorBoard will bind; a listener on any address blocks it
@@ -98,10 +102,11 @@ echo "On your own computer, open the tunnel:"
 if [[ -n $login && $login != "$(hostname -s)" && $login != "$node" ]]; then
     # On a compute node: TensorBoard listens on the node's loopback, so hop through the
     # login node to the compute node and forward to its localhost.
-    echo "  ssh -N -J $user@$login -L $port:localhost:$port $user@$node"
+    echo "  $(quoted ssh -N -J "$user@$login" -L "$port:localhost:$port" "$user@$node")"
 else
-    echo "  ssh -N -L $port:localhost:$port $user@$node"
-    echo "  (from a compute node, go through the login node: ssh -N -J $user@LOGIN_NODE -L $port:localhost:$port $user@$node)"
+    echo "  $(quoted ssh -N -L "$port:localhost:$port" "$user@$node")"
+    echo "  (from a compute node, go through the login node:" \
+         "$(quoted ssh -N -J "$user@LOGIN_NODE" -L "$port:localhost:$port" "$user@$node"))"
 fi
 echo "then browse to http://localhost:$port/"
 if [[ $host == 0.0.0.0 ]]; then

@@ -18,6 +18,22 @@ SCRIPT = ROOT / "mnist_ddp.py"
 SAMPLE = ROOT / "data" / "mnist-sample"
 sys.path.insert(0, str(ROOT))
 
+# Tests that start a local Slurm cluster, network namespaces or sshd: `make test` runs
+# them all; `pytest -m "not slurm"` runs the rest, within a few minutes.
+SLURM_FIXTURES = {"one_node", "two_nodes", "three_nodes", "network"}
+SLURM_MODULES = ("test_slurm", "test_tunnel")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: starts a local Slurm cluster, network namespaces or sshd")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLURM_FIXTURES & set(item.fixturenames) or item.module.__name__ in SLURM_MODULES:
+            item.add_marker(pytest.mark.slurm)
+
+
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 

@@ -11,6 +11,7 @@ runs). A missing Slurm fails these tests; it does not skip them.
 """
 
 import gzip
+import json
 import os
 import re
 import subprocess
@@ -236,3 +237,101 @@ def test_shell_scripts_are_clean(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
     result = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+# ----------------------------------------------------------------------------- what the batch file refuses
+
+def refused(client: subprocess.Popen, submit_dir: Path, message: str) -> str:
+    """The job ended with exit code 2 and its output is that one line: nothing started. Returns the job id."""
+    job_id, out = finish(client, submit_dir, code=2)
+    assert out.splitlines() == [f"run_training.sbatch: error: {message}"], out[-3000:]
+    return job_id
+
+
+def test_run_name_that_leaves_log_dir_is_refused_before_touching_the_disk(one_node, tmp_path):
+    """RUN_NAME=../victim made the batch file rm -rf LOG_DIR/../victim/exit-codes and write
+    there, and RUN_NAME=a/b left directories behind, before mnist_ddp.py refused the name."""
+    (tmp_path / "outside" / "runs").mkdir(parents=True)  # LOG_DIR, there from earlier runs
+    victim = tmp_path / "outside" / "victim" / "exit-codes"
+    victim.mkdir(parents=True)
+    (victim / "keep").write_text("someone else's\n")
+    jobs = {name: (tmp_path / f"submit-{i}", one_node.sbatch(tmp_path / f"submit-{i}", ["--ntasks-per-node=1", "--cpus-per-task=1"],
+                                                          ["--epochs", "1", "--max-steps", "2"], RUN_NAME=name,
+                                                          LOG_DIR=str(tmp_path / "outside" / "runs")))
+            for i, name in enumerate(["../victim", "a/b", ".."])}
+    for _, client in jobs.values():
+        client.wait(timeout=400)
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "outside").rglob("*")) == \
+        ["outside/runs", "outside/victim", "outside/victim/exit-codes", "outside/victim/exit-codes/keep"]
+    for name, (submit_dir, client) in jobs.items():
+        job_id = refused(client, submit_dir, "RUN_NAME must be one directory name of letters, digits and ._-+=,@"
+                                             f" (no / or spaces, not . or ..), got '{name}'")
+        assert [p.name for p in submit_dir.iterdir()] == [f"mnist-ddp-{job_id}.out"]
+
+
+def test_every_prefix_of_run_name_log_dir_run_dir_is_refused(one_node, tmp_path):
+    """argparse takes any unambiguous prefix of an option (--log-d X, --run-n=x) as the
+    option: every prefix that mnist_ddp.py's own parser reads as --run-name, --run-dir or
+    --log-dir is refused after the file name, before anything runs."""
+    import mnist_ddp
+    parser = mnist_ddp.build_parser()
+    prefixes = []
+    for option in ("--run-name", "--run-dir", "--log-dir"):
+        for end in range(3, len(option) + 1):
+            try:
+                parsed = parser.parse_known_args([f"{option[:end]}=x"])[0]
+            except mnist_ddp.UsageError:  # ambiguous: argparse refuses it itself
+                continue
+            if getattr(parsed, option[2:].replace("-", "_")) == "x":
+                prefixes.append(option[:end])
+    assert {"--run-n", "--run-d", "--log-d", "--run-name"} <= set(prefixes), prefixes
+    clients = []
+    for i, prefix in enumerate(prefixes):
+        words = [f"{prefix}=elsewhere"] if i % 2 else [prefix, "elsewhere"]
+        submit_dir = tmp_path / f"submit-{i}"
+        clients.append((prefix, submit_dir, one_node.sbatch(submit_dir, ["--ntasks-per-node=1", "--cpus-per-task=1"],
+                                                            ["--epochs", "1", "--max-steps", "1", *words])))
+    for prefix, submit_dir, client in clients:
+        refused(client, submit_dir, "name the run as RUN_NAME=NAME sbatch ... and its directory as LOG_DIR=DIR, "
+                                    f"not with {prefix}: this file reads them to restart and resume the run")
+        assert not (submit_dir / "elsewhere").exists() and not (submit_dir / "runs").exists()
+
+
+def test_max_restarts_and_master_port_are_read_as_decimal(one_node, tmp_path):
+    """MAX_RESTARTS=08 was octal to bash: the job died with "value too great for base" and
+    no END line. Leading zeros now mean decimal; numbers out of bounds get one line."""
+    options = ["--ntasks-per-node=1", "--cpus-per-task=1"]
+    good = one_node.sbatch(tmp_path / "good", options, ["--epochs", "1", "--max-steps", "2"], RUN_NAME="eight",
+                           MAX_RESTARTS="08", MASTER_PORT="029500")
+    bad = {message: (tmp_path / f"bad-{i}", one_node.sbatch(tmp_path / f"bad-{i}", options, ["--epochs", "1", "--max-steps", "2"],
+                                                            **env))
+           for i, (env, message) in enumerate([
+               ({"MAX_RESTARTS": "100000000000000000000"}, "MAX_RESTARTS must be a number from 0 to 100, got '100000000000000000000'"),
+               ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number from 0 to 100, got '-1'"),
+               ({"MASTER_PORT": "00080"}, "MASTER_PORT must be a number from 1024 to 65535, got '00080'")])}
+    job_id, out = finish(good, tmp_path / "good")
+    assert re.search(r"^START .* master=127\.0\.0\.1:29500 ", out, re.M), out[-3000:]
+    assert re.search(rf"^END \S+ job={job_id} exit=0$", out, re.M) and "value too great" not in out, out[-3000:]
+    run = json.loads((tmp_path / "good" / "runs" / "eight" / "run.json").read_text())
+    assert run["environment"]["attempt"] == "1/9"  # 8 restarts at most: 9 attempts
+    for message, (submit_dir, client) in bad.items():
+        refused(client, submit_dir, message)
+
+
+def test_wrong_python_is_named_in_the_error(one_node, tmp_path):
+    """PYTHON= a path that does not exist, a file that is not executable, a directory, a
+    command not on the PATH: the one line names the value given and what is wrong with it,
+    not "no python3 on the PATH"."""
+    (tmp_path / "python-text").write_text("not a program\n")
+    missing, text, command = tmp_path / "no-such-env" / "bin" / "python3", tmp_path / "python-text", "python3.0-not-here"
+    not_executable = "is not an executable file; point it at a python interpreter, or unset PYTHON to use VENV, CONDA_ENV"
+    cases = {str(missing): f"PYTHON={missing} does not exist; fix the path, or unset PYTHON to use VENV, CONDA_ENV "
+                           "or the project's .venv",
+             str(text): f"PYTHON={text} {not_executable} or the project's .venv",
+             str(tmp_path): f"PYTHON={tmp_path} {not_executable} or the project's .venv",
+             command: f"no {command} on the PATH (PYTHON={command}); set VENV, CONDA_ENV or PYTHON"}
+    clients = {python: (tmp_path / f"submit-{i}", one_node.sbatch(tmp_path / f"submit-{i}", ["--ntasks-per-node=1", "--cpus-per-task=1"],
+                                                                 [], PYTHON=python))
+               for i, python in enumerate(cases)}
+    for python, (submit_dir, client) in clients.items():
+        refused(client, submit_dir, cases[python])

@@ -180,3 +180,17 @@ def test_ctrl_c_in_a_local_sweep_lets_the_run_save_and_the_printed_line_goes_on(
     again = run_printed(out, "a stopped one resumes): ", tmp_path)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert summary_states(tmp_path / "runs" / "cc", "lr") == {"3e-3": "done", "1e-3": "done"}
+
+
+def test_sweep_names_that_would_leave_the_sweep_dir_are_refused(tmp_path):
+    """A line `--..` would name its run '..', and a file named `...txt` its sweep '..':
+    both are refused in one line before anything is written or submitted."""
+    (tmp_path / "dots.txt").write_text("--..\n--epochs 1 --max-steps 2\n")
+    (tmp_path / "...txt").write_text("--epochs 1 --max-steps 2\n")
+    for sweep_file, words in (("dots.txt", "dots.txt:1: '--..' is not an option name"),
+                              ("...txt", "...txt: its name gives no directory for the sweep")):
+        for command in ("submit", "run"):
+            result = run_sweep([command, sweep_file], tmp_path, PATH=NO_SLURM)
+            assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+            assert result.stderr.startswith(f"sweep.py: error: {words}"), result.stderr
+    assert not (tmp_path / "runs").exists()
