@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -135,28 +136,38 @@ def test_printed_torchrun_commands_run(tmp_path):
 
 
 def test_resubmitting_with_the_printed_line_continues_the_run(one_node, tmp_path):
-    """A job that may not requeue itself stops on USR1 with exit 75; its END line prints the
-    sbatch line that continues it. That line, run verbatim, resumes the same run."""
-    client = one_node.sbatch(tmp_path, ["--no-requeue", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
-                             ["--batch-size", "64", "--epochs", "3"], RUN_NAME="my-run")
+    """A job that may not requeue itself stops on USR1 with exit 75; rank 0's "to continue"
+    line and the line after END are the same sbatch line, which keeps LOG_DIR, the job's
+    --mem and --time and the options, and leaves out --interrupt-at-like aids. That line,
+    run verbatim, resumes the same run in the same LOG_DIR."""
+    log_dir = tmp_path / "elsewhere"
+    client = one_node.sbatch(tmp_path, ["--no-requeue", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                                        "--mem=1G", "--time=7"],
+                             ["--batch-size", "64", "--epochs", "3", "--resume", "never"], RUN_NAME="my-run",
+                             LOG_DIR=str(log_dir))
     job_id = wait_for_epoch_1(client, tmp_path)
     subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
                    env=one_node.env, check=True, timeout=60)
     _, out = finish(client, tmp_path, code=75)
     assert f"Slurm job {job_id} may not be requeued" in out and f"job={job_id} exit=75" in out
-    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (RUN_NAME=my-run sbatch .*)$", out, re.M)
+    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (.*)$", out, re.M)
     assert line and line.group(1) == str(tmp_path), out[-3000:]
-    assert f" {SBATCH_FILE} --batch-size 64 --epochs 3" in line.group(2)  # the original file, not Slurm's copy
+    command = line.group(2)
+    assert f"0: to continue: {command}\n" in out  # rank 0 printed the same line when it stopped
+    words = shlex.split(command)
+    assert f"LOG_DIR={log_dir}" in words and "RUN_NAME=my-run" in words
+    assert "--mem=1024M" in words and "--time=00:07:00" in words
+    assert words[words.index(str(SBATCH_FILE)):] == [str(SBATCH_FILE), "--epochs", "3", "--batch-size", "64"]  # no --resume
     # Verbatim, through a shell, in the submit directory it names (`--wait` only makes the test wait).
-    command = line.group(2).replace(" sbatch ", " sbatch --wait ", 1)
+    command = command.replace(" sbatch ", " sbatch --wait ", 1)
     again = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "bash", "-c", command], cwd=line.group(1),
                            env={**one_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable},
                            capture_output=True, text=True, timeout=400)
     second = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
     text = (tmp_path / f"mnist-ddp-{second}.out").read_text()
     assert again.returncode == 0, text[-3000:]
-    assert re.search(rf"^0: resumed from {tmp_path}/runs/my-run/checkpoints/ckpt-\d+\.pt: epoch [12],", text, re.M)
-    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "my-run")] == [1, 2, 3]
+    assert re.search(rf"^0: resumed from {log_dir}/my-run/checkpoints/ckpt-\d+\.pt: epoch [12],", text, re.M)
+    assert [m["epoch"] for m in read_metrics(log_dir / "my-run")] == [1, 2, 3]
 
 
 def test_conda_env_and_setup_file(one_node, tmp_path):
