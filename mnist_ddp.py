@@ -48,30 +48,34 @@ Exit codes
       run_training.sbatch does by itself (MAX_RESTARTS)
   75  stopped by SIGUSR1/SIGTERM/Ctrl-C after saving a checkpoint; the line says how to continue
       (under Slurm with --requeue the job has requeued itself)
+ 130  Ctrl-C before training started: nothing to save
 """
 
 import signal
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's --signal), SIGTERM (preemption, time limit, torchrun) and SIGINT
-    (Ctrl-C, which torchrun passes on to its workers) only set a flag here; the training
-    loop acts on it at the next step boundary, where every rank agrees, rank 0 saves and
-    (on USR1 or TERM) the job requeues itself. Saving inside a handler could interrupt a
-    half-written file or a collective. A Ctrl-C pressed again while that save is under way
-    changes nothing: the save is a step away, and killing it would lose the steps since
-    the last checkpoint. A SIGINT that the parent set to be ignored stays ignored."""
+    """SIGUSR1 (Slurm's --signal), SIGTERM (preemption, time limit, torchrun) and, once
+    training runs, SIGINT (Ctrl-C, which torchrun passes on to its workers) only set a flag
+    here; the training loop acts on it at the next step boundary, where every rank agrees,
+    rank 0 saves and (on USR1 or TERM) the job requeues itself. Saving inside a handler
+    could interrupt a half-written file or a collective. A Ctrl-C pressed again while that
+    save is a step away changes nothing (torchrun passes a second one on as SIGTERM, and
+    kills workers still saving after 30 s). Before training starts there is nothing to
+    save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a rendezvous or a
+    download. A SIGINT that the parent set to be ignored stays ignored."""
 
     def __init__(self):
-        self.received = 0
+        self.received, self.training = 0, False
         signals = [signal.SIGUSR1, signal.SIGTERM]
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signals.append(signal.SIGINT)
         self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
 
     def handle(self, signum, frame) -> None:
-        # The first one says why (torchrun follows a Ctrl-C with SIGTERM when its workers
-        # take time to save): a Ctrl-C stays a Ctrl-C, which asks for no requeue.
+        if signum == signal.SIGINT and not self.training:
+            raise KeyboardInterrupt
+        # The first one says why: a Ctrl-C stays a Ctrl-C, which asks for no requeue.
         self.received = self.received or signum
 
     def restore(self) -> None:
@@ -245,6 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The data order's generators are seeded with seed * 100_003 + epoch (epoch_shard,
+# epoch_shifts), which torch takes as a 64-bit integer; 10**13 leaves room to spare.
+SEED_LIMIT = 10**13
+# Every collective waits this long for the other ranks. Below 10 s, ranks that start a few
+# seconds apart (srun across nodes, torch imported from shared storage) or wait for rank 0
+# to stage the data or write a checkpoint count as dead (exit 4), and run_training.sbatch
+# restarts them again and again. Above a week a hang is not worth waiting for (time limits
+# end jobs sooner), and far larger values overflow timedelta and Gloo's clock.
+DIST_TIMEOUT_RANGE = (10.0, 7 * 24 * 3600.0)
+
+
 def check_config(c: Config) -> None:
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -258,8 +273,12 @@ def check_config(c: Config) -> None:
     need(0 <= c.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {c.label_smoothing}")
     need(0 <= c.shift <= 1, f"--shift must be in [0, 1], got {c.shift}")
     need(0 <= c.ema < 1, f"--ema must be in [0, 1) (0: off), got {c.ema}")
+    need(-SEED_LIMIT <= c.seed <= SEED_LIMIT, f"--seed must be from -{SEED_LIMIT} to {SEED_LIMIT}, got {c.seed}")
     need(c.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {c.max_steps}")
     need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
+    low, high = DIST_TIMEOUT_RANGE
+    need(low <= c.dist_timeout <= high,
+         f"--dist-timeout must be from {low:g} to {high:g} seconds (a week), got {c.dist_timeout:g}")
     need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
     need(math.isfinite(c.progress_every) and c.progress_every >= 0,
          f"--progress-every must be 0 (never) or a number of seconds, got {c.progress_every}")
@@ -271,7 +290,7 @@ def check_config(c: Config) -> None:
     need(math.isfinite(c.ckpt_minutes) and c.ckpt_minutes >= 0,
          f"--ckpt-minutes must be 0 (never) or a number of minutes, got {c.ckpt_minutes}")
     need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
-    need(c.resume in ("auto", "never") or Path(c.resume).is_file(),
+    need(c.resume in ("auto", "never") or os.path.isfile(c.resume),  # (False, not an error, for a name too long)
          f"--resume {c.resume}: no such checkpoint file; pass auto, never or an existing file")
     need(not c.interrupt_at or re.fullmatch(r"[1-9]\d*:(USR1|TERM)", c.interrupt_at) is not None,
          f"--interrupt-at must look like 120:USR1 or 120:TERM, got {c.interrupt_at!r}")
@@ -882,15 +901,45 @@ def evaluate(model: nn.Module, split: Split, config: Config, rt: Runtime, batch_
 
 # ----------------------------------------------------------------------------- checkpoints
 
+TEMPORARY_SUFFIX = ".tmp-"  # save_atomic writes .NAME.tmp-PID beside NAME
+
+
 def save_atomic(obj, path: Path) -> None:
     """Write to a temporary file beside `path`, fsync, then rename over it: a crash
-    mid-write leaves the previous file intact (rename is atomic on POSIX and NFS)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    mid-write leaves the previous file intact (rename is atomic on POSIX and NFS).
+
+    A failed write removes its temporary file (left there, it would keep a full disk full
+    for every later attempt) and raises an OSError that names `path`: torch.save reports a
+    full disk as a RuntimeError raised while handling it, and a write's OSError names no file."""
+    tmp = path.with_name(f".{path.name}{TEMPORARY_SUFFIX}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # KeyboardInterrupt too
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        cause = err if isinstance(err, Exception) else None
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from err
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files of saves that never finished (a SIGKILL, a lost node, a
+    power cut mid-save) from the run directory and its checkpoints/; returns them. Only the
+    process that holds the run directory may call this: another run's save in progress
+    would look the same."""
+    pattern = re.compile(rf"\..+{re.escape(TEMPORARY_SUFFIX)}\d+")
+    stale = [path for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir()
+             for path in sorted(folder.iterdir()) if pattern.fullmatch(path.name) and path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 CKPT_FORMAT = 1
@@ -943,17 +992,21 @@ def save_checkpoint(run_dir: Path, config: Config, rt: Runtime, model: nn.Module
     return path
 
 
-def set_aside_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
-    """Move the checkpoints numbered after `step` into checkpoints/superseded/, and return
-    them. A run that goes on from an earlier point (a rollback with --resume PATH, another
-    world size restarting its epoch, newer files that would not load) writes a new path
-    from there, which --resume auto and rotation must not mistake for the old one. Nothing
-    is deleted: a rollback made by mistake can still be undone by hand."""
-    later = [p for p in sorted((run_dir / "checkpoints").glob("ckpt-*.pt")) if checkpoint_step(p) > step]
+def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path]:
+    """Move the checkpoints numbered `step` or later, but the file `keep`, into a folder of
+    their own under checkpoints/superseded/, and return them. A run that goes on from an
+    earlier point (a rollback with --resume PATH, another world size restarting its epoch,
+    newer files that would not load) writes a new path from there, which --resume auto and
+    rotation must not mistake for the old one. Nothing is deleted or overwritten: a
+    rollback made by mistake can still be undone by hand."""
+    checkpoints = run_dir / "checkpoints"
+    kept = Path(keep).resolve() if keep else None
+    later = [p for p in sorted(checkpoints.glob("ckpt-*.pt")) if checkpoint_step(p) >= step and p.resolve() != kept]
     if later:
-        (run_dir / "checkpoints" / "superseded").mkdir(exist_ok=True)
-    for path in later:
-        os.replace(path, path.parent / "superseded" / path.name)
+        aside = checkpoints / "superseded" / f"{time.strftime('%Y%m%d-%H%M%S')}-going-on-from-step-{step}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for path in later:
+            os.replace(path, aside / path.name)
     return later
 
 
@@ -979,6 +1032,27 @@ def checkpoint_differences(ckpt: dict, config: Config) -> dict[str, str]:
             for k in TRAJECTORY if ckpt["config"].get(k) != mine[k]}
 
 
+def refuse_if_unfitting(path: Path, saved: Mapping[str, torch.Tensor], model: nn.Module) -> None:
+    """A checkpoint whose weights do not fit this model (its code was edited since: a wider
+    layer, a renamed one) is refused in one line that names the first tensor that differs,
+    instead of load_state_dict's page-long error."""
+    mine, difference = model.state_dict(), ""
+    for name, tensor in mine.items():
+        if name not in saved:
+            difference = f"{name} is not in the checkpoint"
+        elif saved[name].shape != tensor.shape:
+            difference = f"{name} has shape {list(saved[name].shape)} there, {list(tensor.shape)} here"
+        if difference:
+            break
+    else:
+        extra = [name for name in saved if name not in mine]
+        difference = f"{extra[0]} is in the checkpoint but not in this model" if extra else ""
+    if difference:
+        raise UsageError(f"checkpoint {path} does not fit this model ({difference}): the model's code changed since it "
+                         "was saved. Pass another --run-name to train the changed model afresh, or undo the change to "
+                         "resume this run")
+
+
 def find_checkpoint(config: Config, run_dir: Path) -> tuple[Path | None, str]:
     """Rank 0 picks the checkpoint to resume from: the newest one that loads, falling back
     past damaged or refused files with a warning that names them. Also returns what
@@ -988,7 +1062,7 @@ def find_checkpoint(config: Config, run_dir: Path) -> tuple[Path | None, str]:
         if found:
             raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
                              "pass another --run-name to start afresh, or --resume auto to continue")
-        warn_if_starting_over(run_dir, found)
+        warn_if_starting_over(run_dir, [])
         return None, ""
     candidates = found if config.resume == "auto" else [Path(config.resume)]
     for path in candidates:
@@ -1033,8 +1107,13 @@ def resume_from(path: Path, config: Config, rt: Runtime, model: nn.Module, optim
     # Read onto the CPU: load_state_dict places each tensor beside its parameter, except
     # AdamW's step counts, which must stay on the CPU or every step syncs with the GPU.
     ckpt = read_checkpoint(path, "cpu")
+    refuse_if_unfitting(path, ckpt["model"], model)  # the average has the same tensors
     model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except ValueError as err:  # its parameter groups differ: the optimizer's code changed
+        raise UsageError(f"checkpoint {path} does not fit this optimizer ({err}); pass another --run-name to train "
+                         "afresh, or undo the change to resume this run") from None
     if average:
         average.model.load_state_dict(ckpt["average"])
     for group in optimizer.param_groups:
@@ -1049,8 +1128,10 @@ def resume_from(path: Path, config: Config, rt: Runtime, model: nn.Module, optim
         loss_sum.copy_(state["loss_sum"])
     elif not (progress.finished and run_is_done(progress, config)):
         # Other shards, other batches: restart the interrupted epoch with the saved weights,
-        # its steps counted on from where it began, so the count never runs backwards.
-        progress = Progress(progress.epoch, 0, progress.step - progress.step_in_epoch, progress.last_record)
+        # its steps counted on from where it began (past every step logged before it).
+        start = progress.step - progress.step_in_epoch
+        record = progress.last_record if progress.last_record.get("step", 0) <= start else {}  # not evaluated here
+        progress = Progress(progress.epoch, 0, start, record)
         if rt.is_main:
             print(f"warning: {path} was written by {ckpt['world_size']} ranks, this run has {rt.world_size}: "
                   f"the data order changed; continuing from the start of epoch {progress.epoch}", file=sys.stderr)
@@ -1150,6 +1231,42 @@ def lost_peer_message(err: BaseException, progress: Progress) -> str:
             "checkpoint by itself; elsewhere run the same command again")
 
 
+# Errors of the run's own files that the user fixes, not the code, and what to do about each.
+STORAGE_FIXES = {
+    errno.ENOSPC: "free space there or pass another --log-dir/--run-dir",
+    errno.EDQUOT: "free space there (the quota is full) or pass another --log-dir/--run-dir",
+    errno.EROFS: "pass a --log-dir/--run-dir on a writable file system",
+    errno.EACCES: "fix its permissions or pass another --log-dir/--run-dir",
+    errno.EPERM: "fix its permissions or pass another --log-dir/--run-dir",
+    errno.ENAMETOOLONG: "pass a shorter --log-dir/--run-dir/--run-name",
+    errno.ENOTDIR: "pass another --log-dir/--run-dir",  # a file where a directory goes
+    errno.EEXIST: "pass another --log-dir/--run-dir",   # (mkdir's word for the same)
+}
+
+
+def storage_problem(err: BaseException, options: Config | None) -> str:
+    """The one line for an error in the log directory, the run directory or its checkpoints
+    that the user fixes (a full disk or quota, no permission, a read-only file system, a
+    file where a directory goes); "" for anything else, which stays a bug with a traceback."""
+    if not isinstance(err, OSError) or err.errno not in STORAGE_FIXES or options is None:
+        return ""
+    fix = STORAGE_FIXES[err.errno]
+    if not err.filename:
+        # A buffered write's error (TensorBoard's writer thread, a log line) names no file;
+        # a full disk is the user's to fix all the same.
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return ""
+        return f"cannot write the run's files under {options.run_dir or options.log_dir} ({err.strerror}); {fix}"
+    path = Path(os.fsdecode(err.filename))
+    roots = [options.log_dir] + ([options.run_dir] if options.run_dir else [])
+    if not any(Path(os.path.abspath(path)).is_relative_to(os.path.abspath(root)) for root in roots):
+        return ""
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p)), path)
+        return "" if blocker.is_dir() else f"{blocker} is not a directory; {fix}"
+    return f"cannot write {path} ({err.strerror}); {fix}"
+
+
 def record_exit(code: int, launch: Launch | None) -> None:
     """Leave this rank's exit code where run_training.sbatch reads it: it restarts after
     a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
@@ -1213,9 +1330,11 @@ def requeue_slurm_job(launch: Launch) -> bool:
 
 # What a command that continues a run leaves out: where the first one started from, the
 # testing aid (it would stop the run again at the same step), staging alone; and, under
-# run_training.sbatch, what the batch file passes itself (from LOG_DIR, RUN_NAME, DATA_DIR).
+# run_training.sbatch, what the batch file passes itself (from LOG_DIR and RUN_NAME; it
+# refuses these options after its name). The data directories stay: an option given after
+# the batch file's name wins over DATA_DIR.
 NOT_CONTINUED = ("resume", "interrupt_at", "download_only")
-SET_BY_BATCH_FILE = ("data_dir", "node_data_dir", "log_dir", "run_name", "run_dir")
+SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
 
 
 def option_args(config: Config, leave_out: tuple[str, ...] = ()) -> list[str]:
@@ -1291,12 +1410,18 @@ def choose_run_dir(config: Config, launch: Launch) -> Path:
             return path
 
 
+class RunDirTaken(UsageError):
+    """Another run holds the run directory."""
+
+
 class RunClaim:
     """Rank 0's hold on its run directory for as long as the run lives: an exclusive lock
     on RUN_DIR/.claim. POSIX locks also work across NFS clients, and the kernel releases
     them when the process dies, even by SIGKILL, so a restart or a requeue gets it again.
-    A second run of the same name (a resubmission while the first still runs) meets it and
-    stops with one line, before it reads a checkpoint that the first one is writing."""
+    (On NFS, the lock of a node that was lost outright lasts until the server notices,
+    its lock recovery; the refusal names the holder.) A second run of the same name (a
+    resubmission while the first still runs) meets it and stops with one line, before it
+    reads a checkpoint that the first one is writing."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -1305,13 +1430,17 @@ class RunClaim:
         try:
             fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
+            if err.errno == errno.ENOLCK:
+                self.file.close()
+                raise UsageError(f"cannot lock {run_dir / '.claim'}: its file system offers no locks (NFS without a lock "
+                                 "service); ask your admins, or pass a --log-dir on another file system") from None
             if err.errno not in (errno.EACCES, errno.EAGAIN):
                 raise
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise UsageError(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
-                             "--run-name to start a separate run") from None
+            raise RunDirTaken(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
+                              "--run-name to start a separate run") from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -1335,6 +1464,13 @@ def claim_run_dir(config: Config, launch: Launch, rt: Runtime) -> tuple[Path, Ru
             choice = [str(claim.run_dir), ""]
         except UsageError as err:
             choice = ["", str(err)]
+            if isinstance(err, RunDirTaken) and launch.exit_dir:  # so the batch file leaves that run's files alone
+                Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+                Path(launch.exit_dir, "run-dir-taken").touch()
+        except OSError as err:  # a log directory that is a file, read-only or full
+            choice = ["", storage_problem(err, config)]
+            if not choice[1]:
+                raise
     run_dir, error = broadcast_from_main(choice)
     if error:
         raise UsageError(error if rt.is_main else "rank 0 cannot use the run directory; see its error")
@@ -1443,6 +1579,13 @@ def declare_hparams(log_dir: Path, first: tuple[str, ...] = USUAL_HPARAMS) -> No
         os.close(os.open(log_dir / ".hparams-declared", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return  # another run of this directory (an array task) did it
+    except OSError as err:
+        # The parent of a --run-dir may be a directory this user cannot write (a project's
+        # shared folder): a run directory that can be written still trains, and without the
+        # declaration TensorBoard infers the tab's columns from the runs it finds.
+        print(f"warning: cannot declare the HParams experiment in {log_dir} ({err.strerror}); training goes on, "
+              "and TensorBoard's HParams tab infers its columns from the runs", file=sys.stderr, flush=True)
+        return
     with SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
         writer.file_writer.add_summary(hparams_summary(metadata.EXPERIMENT_TAG, experiment=api_pb2.Experiment(
             hparam_infos=infos, metric_infos=metrics)))
@@ -1491,7 +1634,9 @@ class RunLogger:
         # or rewound.
         metrics_path = run_dir / "metrics.jsonl"
         records = [r for r in read_metrics_tolerantly(metrics_path) if r["step"] <= resumed_step]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        rewritten = metrics_path.with_name(f".{metrics_path.name}{TEMPORARY_SUFFIX}{os.getpid()}")  # a kill loses no line
+        rewritten.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(rewritten, metrics_path)
         # Training time so far and when the best epoch came, over every attempt of the run.
         self.elapsed, self.best, self.to_best = 0.0, -1.0, 0.0
         for record in records:
@@ -1612,11 +1757,12 @@ def build_training(config: Config, rt: Runtime) -> tuple[nn.Module, nn.Module, t
     return model, raw_model, optimizer, average
 
 
-def record_continue_command(run_dir: Path, command: str) -> None:
+def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
-    if os.environ.get("MNIST_DDP_RESUBMIT"):
-        (run_dir / "continue-command").write_text(command + "\n")
+    if launch.exit_dir and os.environ.get("MNIST_DDP_RESUBMIT"):
+        Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+        Path(launch.exit_dir, "continue-command").write_text(command + "\n")
 
 
 def agree_on_checkpoint(config: Config, rt: Runtime, run_dir: Path) -> tuple[str, str]:
@@ -1638,7 +1784,7 @@ def agree_on_checkpoint(config: Config, rt: Runtime, run_dir: Path) -> tuple[str
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     stop, who = EARLY_STOP or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
-    logger, code, launch, progress, claim = NullLogger(), EXIT_BUG, None, Progress(), None
+    logger, code, launch, progress, claim, config = NullLogger(), EXIT_BUG, None, Progress(), None, None
     try:
         launch = read_launch_env(os.environ)
         who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
@@ -1656,6 +1802,9 @@ def main(argv: list[str] | None = None) -> int:
             code = 0
             return code
         run_dir, claim = claim_run_dir(config, launch, rt)
+        if claim:  # holding the directory: no other run's save can be under way in it
+            for path in remove_stale_temporaries(run_dir):
+                print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
         model, raw_model, optimizer, average = build_training(config, rt)
         eval_model = average.model if average else raw_model
 
@@ -1670,7 +1819,7 @@ def main(argv: list[str] | None = None) -> int:
             if rt.is_main:
                 longer = {"epochs": str(config.epochs + 4)} if progress.epoch > config.epochs else {}
                 if config.max_steps and progress.step >= config.max_steps:
-                    longer = {"max_steps": "0"}  # the cap ended it: lift the cap
+                    longer["max_steps"] = "0"  # the cap ended it: lift the cap
                 print(f"run {run_dir} is already complete (epoch {progress.last_record.get('epoch', progress.epoch - 1)}, "
                       f"step {progress.step}); to train it longer: "
                       f"{continue_command(config, launch, run_dir, **longer, allow_changes='')}", flush=True)
@@ -1688,15 +1837,19 @@ def main(argv: list[str] | None = None) -> int:
         hosts = [host for host, _ in starts]
         # torchrun's agents count their restarts each on their own: the highest is the job's.
         launch = dataclasses.replace(launch, attempt=max((a for _, a in starts), key=lambda a: int(a.split("/")[0])))
+        # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
+        # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
+        here = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
+        save_here = bool(ckpt_path) and Path(ckpt_path).resolve() != here.resolve()
         if rt.is_main:
             # Every rank has read its checkpoint by now (the gather above comes after).
-            later = set_aside_later_checkpoints(run_dir, progress.step)
+            later = set_aside_checkpoints(run_dir, progress.step, keep=ckpt_path)
             if later:
-                print(f"warning: set aside {len(later)} checkpoint(s) numbered after step {progress.step}, which this run "
+                print(f"warning: set aside {len(later)} checkpoint(s) numbered from step {progress.step} on, which this run "
                       f"no longer continues, in {run_dir / 'checkpoints' / 'superseded'}", file=sys.stderr, flush=True)
             note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
             logger = RunLogger(run_dir, config, describe_environment(rt, launch, hosts), progress.step, note=note)
-            record_continue_command(run_dir, continue_command(config, launch, run_dir))
+            record_continue_command(launch, continue_command(config, launch, run_dir))
         cpus, threads = usable_cpus(), torch.get_num_threads()
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
               f"{per_rank} images, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs", flush=True)
@@ -1705,7 +1858,7 @@ def main(argv: list[str] | None = None) -> int:
                   "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (run_training.sbatch does), or set OMP_NUM_THREADS", flush=True)
         if rt.is_main:
             print(f"global batch {config.batch_size * rt.world_size} ({rt.world_size} x {config.batch_size}), "
-                  f"{total_steps} steps in all", flush=True)
+                  f"{total_steps + schedule_offset} steps in all", flush=True)
             if ckpt_path:
                 print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
                       f"requeued {launch.requeues}x)", flush=True)
@@ -1745,10 +1898,34 @@ def main(argv: list[str] | None = None) -> int:
         def diverged(what: str, step: int | None = None) -> Diverged:
             lower = continue_command(config, launch, run_dir, lr=f"{config.lr / 3:.3g}", allow_changes="")
             if rt.is_main:
-                record_continue_command(run_dir, lower)
+                record_continue_command(launch, lower)
             return Diverged(f"{what} at step {progress.step if step is None else step} (epoch {progress.epoch}); nothing "
                             f"from this step on was saved. Resume from the last checkpoint with a lower learning rate: {lower}")
 
+        def evaluate_here(started: float, trained: int) -> None:
+            """Evaluate where training stands and log it as the epoch's record; `trained`
+            images went through this rank since `started`."""
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+            train_seconds = time.perf_counter() - started
+            train_loss_sum, images = all_reduce(loss_sum.clone()).tolist()
+            sync_buffers(raw_model)
+            if average:
+                average.copy_buffers(raw_model)
+            evaluation = evaluate(eval_model, test_set, config, rt)
+            progress.last_record = {
+                "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
+                "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_images": evaluation.count,
+                "lr": optimizer.param_groups[0]["lr"], "images_per_s": trained * rt.world_size / max(train_seconds, 1e-9),
+                "epoch_s": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(rt), **gpu_figures(rt.device)}
+            logger.epoch(progress.last_record, evaluation, test_set,
+                         pictures=config.image_every > 0 and progress.epoch % config.image_every == 0)
+
+        if save_here:
+            checkpoint()
+            if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
+                set_aside_checkpoints(run_dir, progress.step + 1)
+        stop.training = True  # from now on Ctrl-C saves first
         while not run_is_done(progress, config):
             started = time.perf_counter()
             if rt.device.type == "cuda":
@@ -1793,31 +1970,23 @@ def main(argv: list[str] | None = None) -> int:
             # epoch's last step, a crash during the evaluation) is evaluated now; one saved
             # after it (at the --max-steps cap) is not evaluated twice.
             if progress.last_record.get("step") != progress.step:
-                if rt.device.type == "cuda":
-                    torch.cuda.synchronize(rt.device)
-                train_seconds = time.perf_counter() - started
-                train_loss_sum, images = all_reduce(loss_sum.clone()).tolist()
-                sync_buffers(raw_model)
-                if average:
-                    average.copy_buffers(raw_model)
-                evaluation = evaluate(eval_model, test_set, config, rt)
-                progress.last_record = {
-                    "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss_sum / max(images, 1),
-                    "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_images": evaluation.count,
-                    "lr": optimizer.param_groups[0]["lr"], "images_per_s": trained * rt.world_size / train_seconds,
-                    "epoch_s": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(rt), **gpu_figures(rt.device)}
-                logger.epoch(progress.last_record, evaluation, test_set,
-                             pictures=config.image_every > 0 and progress.epoch % config.image_every == 0)
+                evaluate_here(started, trained)
             if progress.step_in_epoch >= steps_per_epoch:  # not when the cap stopped it in mid-epoch
                 progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
                 loss_sum.zero_()
             path = checkpoint()
-            if read_agreement(start_agreement(stop, torch.zeros((), device=rt.device), ckpt_clock, rt)).stopping:  # during evaluation
+            # A stop asked for during the evaluation; after the last one, finishing is quicker.
+            now = read_agreement(start_agreement(stop, torch.zeros((), device=rt.device), ckpt_clock, rt))
+            if now.stopping and not run_is_done(progress, config):
                 code = stop_here(path)
                 return code
 
         # Finished: the weights evaluated go to model.pt, and then a checkpoint says so, so
-        # that running the same command again finds nothing left to do.
+        # that running the same command again finds nothing left to do. (A run stopped at its
+        # very last step, or at the cap, before the evaluation, evaluates here.)
+        if progress.last_record.get("step") != progress.step:
+            evaluate_here(time.perf_counter(), 0)
+            checkpoint()
         record = progress.last_record
         if rt.is_main:
             save_atomic(eval_model.state_dict(), run_dir / "model.pt")
@@ -1833,9 +2002,14 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as err:
         code = fail(err, EXIT_DIVERGED, who)
         return code
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        code = fail("interrupted (Ctrl-C) before training started; nothing was saved", 128 + signal.SIGINT, who)
+        return code
     except Exception as err:
         if is_lost_peer(err):
             code = fail(lost_peer_message(err, progress), EXIT_LOST_PEER, who)
+        elif problem := storage_problem(err, config):
+            code = fail(problem, who=who)
         else:
             traceback.print_exc()
             code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",
@@ -1843,7 +2017,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         record_exit(code, launch)  # first: after a failure, srun may end this process any moment now
-        logger.close()
+        with contextlib.suppress(OSError):  # a full disk: the one line above says so already
+            logger.close()
         if claim:
             claim.release(code)
         teardown_distributed()

@@ -1,19 +1,24 @@
 """Every invalid option value a user can type ends in one line on stderr that says what
-to do, and exit code 2: never a traceback, never a hang.
+to do, and exit code 2: never a traceback, never a hang. So do a log or run directory
+that is full, read-only or not a directory (made real with tmpfs and read-only mounts:
+as root, permissions alone would stop nothing) and a checkpoint that no longer fits the
+model; and a full disk loses nothing already saved.
 
     python -m pytest tests/test_bad_input.py
 """
 
+import errno
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 import mnist_ddp
-from conftest import ROOT, clean_env, run_single
+from conftest import ROOT, clean_env, run_as_srun, run_single
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +47,7 @@ def no_launcher(monkeypatch):
     (["--data-mirror", "ftp://example.org/"], "--data-mirror must be an http://"),
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--resume", "x" * 5000], "no such checkpoint file"),  # a name too long for the file system
 ])
 def test_bad_option(argv, words, capsys):
     assert mnist_ddp.main(argv) == 2
@@ -153,3 +159,207 @@ def test_exit_code_through_the_command_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "mnist_ddp.py: error: --batch-size must be at least 1, got 0"
     assert "Traceback" not in result.stderr + result.stdout
+
+
+# ----------------------------------------------------------------------------- numbers that overflow later
+
+def test_seed_that_overflows_the_data_order_generators_is_refused(tmp_path):
+    """The seed goes into seed * 100_003 + epoch, a 64-bit generator seed (epoch_shard): too
+    large a --seed crashed at the first epoch. It is refused at once, and the largest one
+    allowed trains."""
+    result = run_single(["--seed", "200000000000000", "--epochs", "1", "--max-steps", "2"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == ("mnist_ddp.py: error: --seed must be from -10000000000000 to 10000000000000, "
+                                     "got 200000000000000")
+    largest = run_single(["--seed", "10000000000000", "--epochs", "1", "--max-steps", "2"], cwd=tmp_path)
+    assert largest.returncode == 0, largest.stderr[-2000:]
+
+
+@pytest.mark.parametrize("timeout, shown", [("1e16", "1e+16"), ("1e-9", "1e-09")])
+def test_dist_timeout_out_of_range_is_refused_on_every_rank(tmp_path, timeout, shown):
+    """Under 2 ranks, 1e16 s overflowed timedelta (a traceback, exit 1) and 1e-9 s made the
+    ranks take each other for dead (exit 4, which run_training.sbatch restarts forever)."""
+    for rank, result in enumerate(run_as_srun(2, ["--dist-timeout", timeout, "--epochs", "1", "--max-steps", "2"],
+                                              cwd=tmp_path)):
+        assert result.returncode == 2, result.stderr[-2000:]
+        line = result.stderr.strip()
+        assert "\n" not in line and line.startswith(f"mnist_ddp.py [rank {rank}/2 on ")
+        assert line.endswith(f"]: error: --dist-timeout must be from 10 to 604800 seconds (a week), got {shown}")
+
+
+# ----------------------------------------------------------------------------- where the run writes
+
+def run_with_mounts(setup: str, args, cwd):
+    """mnist_ddp.py after the shell commands `setup` (mounts) ran in a mount namespace of
+    its own, so that nothing of them outlives the command."""
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{setup} && exec "$@"', "sh",
+                           sys.executable, str(ROOT / "mnist_ddp.py"), *args],
+                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB file system: the run directory, run.json and the event file fit in it, one
+    checkpoint of the default CNN (6.6 MB: the weights, their average and AdamW's state)
+    does not."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_full_disk_during_a_checkpoint_save_is_one_line_and_leaves_no_temporary_file(tmp_path, small_disk):
+    """The first checkpoint does not fit: one line that names it and says what to do, exit
+    2, and its partial temporary file removed, or the disk stays full for every later
+    attempt. The same command again meets the same clear line."""
+    args = ["--epochs", "1", "--max-steps", "3", "--log-dir", str(small_disk), "--run-name", "full"]
+    expected = (f"mnist_ddp.py: error: cannot write {small_disk}/full/checkpoints/ckpt-00000003.pt (No space left on "
+                "device); free space there or pass another --log-dir/--run-dir")
+    for attempt in (1, 2):
+        result = run_single(args, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        if attempt == 1:
+            assert result.stderr.strip() == expected
+        else:  # (a warning about the earlier attempt's logs may come first)
+            assert result.stderr.strip().splitlines()[-1] == expected
+        assert [p.name for p in small_disk.rglob("*tmp*")] == []
+        exit_code = small_disk / "full" / "exit-code"
+        assert not exit_code.exists() or exit_code.read_text() == "2\n"
+
+
+def test_checkpoints_saved_before_the_disk_filled_are_kept_and_resumed(tmp_path, small_disk):
+    """Room for one checkpoint, not two: the second save fails in one line, the first
+    checkpoint stays whole, and once there is space the same command resumes from it."""
+    subprocess.run(["mount", "-o", "remount,size=10m", str(small_disk)], check=True)
+    args = ["--epochs", "1", "--max-steps", "3", "--ckpt-every", "1", "--log-dir", str(small_disk), "--run-name", "r"]
+    result = run_single(args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (f"mnist_ddp.py: error: cannot write {small_disk}/r/checkpoints/ckpt-00000002.pt (No "
+                                     "space left on device); free space there or pass another --log-dir/--run-dir")
+    assert sorted(p.name for p in (small_disk / "r" / "checkpoints").iterdir()) == ["ckpt-00000001.pt"]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    again = run_single(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {small_disk}/r/checkpoints/ckpt-00000001.pt: epoch 1, step 1" in again.stdout
+
+
+def test_full_log_dir_is_refused_in_one_line(tmp_path, small_disk):
+    """A log directory on a file system with no byte left: one line, exit 2."""
+    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    result = run_single(["--epochs", "1", "--max-steps", "2", "--log-dir", str(small_disk), "--run-name", "r"],
+                        cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("mnist_ddp.py: error: cannot write ") and str(small_disk) in line
+    assert line.endswith("(No space left on device); free space there or pass another --log-dir/--run-dir")
+
+
+def test_read_only_log_dir_is_refused_in_one_line(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    result = run_with_read_only(logs, ["--log-dir", str(logs), "--run-name", "r", "--epochs", "1", "--max-steps", "2"],
+                                tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (f"mnist_ddp.py: error: cannot write {logs / 'r'} (Read-only file system); pass a "
+                                     "--log-dir/--run-dir on a writable file system")
+
+
+@pytest.mark.parametrize("flag", ["--log-dir", "--run-dir"])
+def test_log_dir_or_run_dir_that_is_not_a_directory_is_refused(tmp_path, flag):
+    """--log-dir naming a file (as /etc/passwd), --run-dir naming a device (/dev/null)."""
+    path = tmp_path / "a-file" if flag == "--log-dir" else Path("/dev/null")
+    if flag == "--log-dir":
+        path.write_text("x")
+    result = run_single([flag, str(path), "--epochs", "1", "--max-steps", "2"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == f"mnist_ddp.py: error: {path} is not a directory; pass another --log-dir/--run-dir"
+
+
+def test_run_dir_in_a_read_only_parent_trains_without_the_hparams_declaration(tmp_path):
+    """A --run-dir that can be written, in a parent that cannot (a project's shared folder):
+    TensorBoard's HParams experiment, declared once per parent, is skipped with a warning,
+    and the run trains."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    setup = (f"mount -t tmpfs tmpfs {shared} && mkdir {shared}/mine && mount -o remount,ro {shared} && "
+             f"mount -t tmpfs tmpfs {shared}/mine && ! touch {shared}/probe 2>/dev/null")
+    result = run_with_mounts(setup, ["--run-dir", str(shared / "mine"), "--epochs", "1", "--max-steps", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"warning: cannot declare the HParams experiment in {shared} (Read-only file system); training goes on, "
+            "and TensorBoard's HParams tab infers its columns from the runs") in result.stderr.splitlines()
+    assert f"saved {shared / 'mine' / 'model.pt'}" in result.stdout
+
+
+# A user's edit of the model: a hidden layer of 256 instead of 128.
+WIDER_MODEL = """
+import sys
+import torch.nn as nn
+import mnist_ddp
+
+def wider(config):
+    model = mnist_ddp.SmallCNN(config.dropout)
+    model.classifier[1] = nn.Linear(64 * 7 * 7, 256)
+    model.classifier[4] = nn.Linear(256, 10)
+    return model
+
+mnist_ddp.build_model = wider
+sys.exit(mnist_ddp.main(sys.argv[1:]))
+"""
+
+
+def test_checkpoint_that_does_not_fit_an_edited_model_is_refused(tmp_path):
+    """A run trained, then the model's code edited and the run continued: one line that
+    names the first tensor that differs and what to do, and the checkpoint left as it was."""
+    assert run_single(["--epochs", "1", "--max-steps", "3", "--run-name", "r"], cwd=tmp_path).returncode == 0
+    ckpt = Path("runs", "r", "checkpoints", "ckpt-00000003.pt")
+    saved = (tmp_path / ckpt).read_bytes()
+    (tmp_path / "wider.py").write_text(WIDER_MODEL)
+    result = subprocess.run([sys.executable, "wider.py", "--epochs", "1", "--max-steps", "6", "--allow-changes",
+                             "--run-name", "r"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"mnist_ddp.py: error: checkpoint {ckpt} does not fit this model (classifier.1.weight has shape [128, 3136] "
+        "there, [256, 3136] here): the model's code changed since it was saved. Pass another --run-name to train the "
+        "changed model afresh, or undo the change to resume this run")
+    assert (tmp_path / ckpt).read_bytes() == saved
+
+
+# Killed in the middle of a save, as by SIGKILL or a lost node: half a file is written.
+KILLED_MID_SAVE = """
+import os, signal, sys
+import torch
+import mnist_ddp
+
+def killed_mid_save(obj, fh):
+    fh.write(b"PK half a checkpoint")
+    fh.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = killed_mid_save
+sys.exit(mnist_ddp.main(sys.argv[1:]))
+"""
+
+
+def test_temporary_file_of_a_save_killed_midway_is_removed_when_the_run_starts_again(tmp_path):
+    """Each kill during a save leaves a .ckpt-*.tmp-PID file that nothing else removes: the
+    run's next start sweeps them away."""
+    args = ["--epochs", "1", "--max-steps", "3", "--run-name", "r"]
+    (tmp_path / "killed.py").write_text(KILLED_MID_SAVE)
+    killed = subprocess.run([sys.executable, "killed.py", *args], cwd=tmp_path, env=clean_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    checkpoints = tmp_path / "runs" / "r" / "checkpoints"
+    assert [p.name.split(".tmp-")[0] for p in checkpoints.iterdir()] == [".ckpt-00000003.pt"]
+    result = run_single(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt-00000003.pt"]

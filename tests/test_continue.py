@@ -171,8 +171,10 @@ def test_divergence_advice_keeps_every_other_option(workdir):
     args = ["--lr", "1e5", "--allow-changes", "--epochs", "1", "--ckpt-every", "2", "--run-name", "hot"]
     result = run_single(args, cwd=workdir)
     assert result.returncode == EXIT_DIVERGED
-    line = result.stderr.split("with a lower learning rate: ")[1].splitlines()[0]
-    assert shlex.split(line)[-5:] == ["--run-name", "hot", "--lr", "3.33e+04", "--allow-changes"]
+    words = shlex.split(result.stderr.split("with a lower learning rate: ")[1].splitlines()[0])
+    assert words[-3:] == ["--lr", "3.33e+04", "--allow-changes"] and words.count("--allow-changes") == 1
+    for option, value in (("--epochs", "1"), ("--ckpt-every", "2"), ("--run-name", "hot")):
+        assert words[words.index(option) + 1] == value, words
     again = run_printed(result.stderr, "with a lower learning rate: ", workdir)
     assert again.returncode == EXIT_DIVERGED, again.stderr[-2000:]
     assert "resumed with changed options (--allow-changes): --lr 100000.0 there, 33300.0 here" in again.stdout
@@ -181,7 +183,7 @@ def test_divergence_advice_keeps_every_other_option(workdir):
 def test_torchrun_continue_line_runs_as_printed(workdir):
     stopped = run_torchrun(2, ["--epochs", "1", "--batch-size", "256", "--run-name", "tr", "--interrupt-at", "3:USR1"],
                            cwd=workdir)
-    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
+    assert "stopping on SIGUSR1 at step " in stopped.stdout, stopped.stderr[-2000:]  # torchrun itself exits 1
     assert "to continue: torchrun --standalone --nproc-per-node=2 " in stopped.stdout
     again = run_printed(stopped.stdout, "to continue: ", workdir, OMP_NUM_THREADS="1")
     assert_ok(again)

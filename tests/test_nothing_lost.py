@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -224,3 +225,58 @@ def test_exit_code_is_rewritten_by_every_end_of_rank_0(workdir):
     assert_ok(run_single(args, cwd=workdir))  # already complete
     assert exit_code.read_text() == "0\n"
     assert json.loads((workdir / "runs" / "e" / "run.json").read_text())["config"]["run_name"] == "e"
+
+
+def test_stop_at_the_step_cap_still_finishes_the_run(workdir):
+    """The stop lands on the --max-steps step, before its evaluation: the next run has no
+    step left to train, and evaluates, writes model.pt and finishes."""
+    cap = steps_per_epoch() + 4
+    args = ["--epochs", "2", "--batch-size", str(BATCH), "--max-steps", str(cap), "--run-name", "cap"]
+    stopped = run_single([*args, "--interrupt-at", f"{cap}:USR1"], cwd=workdir)
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
+    finished = run_single(args, cwd=workdir)
+    assert_ok(finished)
+    assert "saved runs/cap/model.pt" in finished.stdout
+    assert [(m["epoch"], m["step"]) for m in read_metrics(workdir / "runs" / "cap")] == [(1, cap - 4), (2, cap)]
+
+
+def test_a_crash_right_after_a_world_size_change_loses_nothing(workdir):
+    """With --keep-ckpts 1 the only checkpoint is the one a 2-rank run resumes from (written
+    by one process in mid-epoch). The 2-rank run saves where it goes on from before
+    anything else, so a SIGKILL at its first step costs nothing: the next run resumes there."""
+    per_epoch = steps_per_epoch(128)
+    args = ["--epochs", "2", "--ckpt-every", "10", "--keep-ckpts", "1", "--run-name", "kc"]
+    assert run_single([*args, "--interrupt-at", f"{per_epoch + 10}:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    driver = workdir / "crash_at_first_step.py"
+    driver.write_text("import os, signal, sys\nsys.path.insert(0, os.environ['PYTHONPATH'])\nimport mnist_ddp\n"
+                      "mnist_ddp.train_step = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "sys.exit(mnist_ddp.main(sys.argv[1:]))\n")
+    crashed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              str(driver), *args], cwd=workdir, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True,
+                             text=True, timeout=300)
+    assert crashed.returncode != 0
+    again = run_torchrun(2, args, cwd=workdir)
+    assert_ok(again)
+    assert f"resumed from runs/kc/checkpoints/ckpt-{per_epoch:08d}.pt: epoch 2, step {per_epoch}" in again.stdout
+    assert "starting the run over" not in again.stderr
+    assert list((workdir / "runs" / "kc" / "checkpoints" / "superseded").glob(f"*/ckpt-{per_epoch + 10:08d}.pt"))
+
+
+def test_ctrl_c_before_training_stops_at_once(workdir):
+    """Before training there is nothing to save: Ctrl-C during a download that hangs ends
+    the run at once with one line and 130, as a shell reports an interrupt."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        command = [sys.executable, str(SCRIPT), "--dataset", "mnist", "--download-only",
+                   "--data-mirror", f"http://127.0.0.1:{server.getsockname()[1]}/"]
+        proc = subprocess.Popen(command, cwd=workdir, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        server.settimeout(120)
+        connection, _ = server.accept()  # the download has started, and gets no answer
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        connection.close()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]

@@ -173,7 +173,7 @@ def test_diverging_loss_stops_before_bad_weights_are_saved(workdir):
     for result in results:
         assert result.returncode == EXIT_DIVERGED, result.stderr[-2000:]
     assert "mnist_ddp.py [rank 0/2 on " in results[0].stderr and "]: error: the loss stopped being finite at step " in results[0].stderr
-    assert "with a lower learning rate: srun [the same srun options] python " in results[0].stderr
+    assert "with a lower learning rate: srun --nodes=1 --ntasks=2 python " in results[0].stderr
     assert "--lr 3.33e+04 --allow-changes" in results[0].stderr
     saved = sorted((workdir / "run" / "checkpoints").glob("ckpt-*.pt"))
     assert saved

@@ -157,7 +157,8 @@ def test_resubmitting_with_the_printed_line_continues_the_run(one_node, tmp_path
     words = shlex.split(command)
     assert f"LOG_DIR={log_dir}" in words and "RUN_NAME=my-run" in words
     assert "--mem=1024M" in words and "--time=00:07:00" in words
-    assert words[words.index(str(SBATCH_FILE)):] == [str(SBATCH_FILE), "--epochs", "3", "--batch-size", "64"]  # no --resume
+    assert words[words.index(str(SBATCH_FILE)):] == [str(SBATCH_FILE), "--data-dir", str(tmp_path / "data"), "--epochs", "3",
+                                                     "--batch-size", "64"]  # no --resume
     # Verbatim, through a shell, in the submit directory it names (`--wait` only makes the test wait).
     command = command.replace(" sbatch ", " sbatch --wait ", 1)
     again = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "bash", "-c", command], cwd=line.group(1),
@@ -346,3 +347,21 @@ def test_wrong_python_is_named_in_the_error(one_node, tmp_path):
                for i, python in enumerate(cases)}
     for python, (submit_dir, client) in clients.items():
         refused(client, submit_dir, cases[python])
+
+
+def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_node, tmp_path):
+    """A resubmission while the first job still runs: the second job meets the run's claim,
+    exits 2 in one line, and touches nothing of the first one's (its exit codes, its line
+    that continues, RUN_DIR/exit-code); the first one trains to the end."""
+    options = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"]
+    env = {"RUN_NAME": "shared", "LOG_DIR": str(tmp_path / "runs")}
+    first = one_node.sbatch(tmp_path / "a", options, ["--batch-size", "64", "--epochs", "4"], **env)
+    wait_for_epoch_1(first, tmp_path / "a")
+    second = one_node.sbatch(tmp_path / "b", options, ["--batch-size", "64", "--epochs", "4"], **env)
+    _, out_b = finish(second, tmp_path / "b", code=2)
+    assert re.search(r"^0: mnist_ddp.py: error: another run is using \S+/runs/shared \(pid \d+ on ", out_b, re.M), out_b[-2000:]
+    _, out_a = finish(first, tmp_path / "a")
+    run_dir = tmp_path / "runs" / "shared"
+    assert (run_dir / "exit-code").read_text() == "0\n"
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert "not training again" not in out_a
