@@ -352,16 +352,21 @@ def test_wrong_python_is_named_in_the_error(one_node, tmp_path):
 def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_node, tmp_path):
     """A resubmission while the first job still runs: the second job meets the run's claim,
     exits 2 in one line, and touches nothing of the first one's (its exit codes, its line
-    that continues, RUN_DIR/exit-code); the first one trains to the end."""
-    options = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"]
-    env = {"RUN_NAME": "shared", "LOG_DIR": str(tmp_path / "runs")}
-    first = one_node.sbatch(tmp_path / "a", options, ["--batch-size", "64", "--epochs", "4"], **env)
-    wait_for_epoch_1(first, tmp_path / "a")
-    second = one_node.sbatch(tmp_path / "b", options, ["--batch-size", "64", "--epochs", "4"], **env)
+    that continues, RUN_DIR/exit-code), which then stops on USR1 as usual."""
+    options = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G", "--no-requeue"]
+    env = {"RUN_NAME": "shared", "LOG_DIR": str(tmp_path / "runs"), "DATA_DIR": str(tmp_path / "data")}
+    args = ["--batch-size", "64", "--epochs", "50"]
+    first = one_node.sbatch(tmp_path / "a", options, args, **env)
+    job_id = wait_for_epoch_1(first, tmp_path / "a")
+    second = one_node.sbatch(tmp_path / "b", options, args, **env)
     _, out_b = finish(second, tmp_path / "b", code=2)
     assert re.search(r"^0: mnist_ddp.py: error: another run is using \S+/runs/shared \(pid \d+ on ", out_b, re.M), out_b[-2000:]
-    _, out_a = finish(first, tmp_path / "a")
+    assert first.poll() is None, "the first job should still be training"
+    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
+                   env=one_node.env, check=True, timeout=60)
+    _, out_a = finish(first, tmp_path / "a", code=75)
     run_dir = tmp_path / "runs" / "shared"
-    assert (run_dir / "exit-code").read_text() == "0\n"
-    assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]
-    assert "not training again" not in out_a
+    assert (run_dir / "exit-code").read_text() == "75\n"
+    assert "not training again" not in out_a and "to continue from the newest checkpoint, from " in out_a
+    epochs = [m["epoch"] for m in read_metrics(run_dir)]
+    assert epochs == list(range(1, len(epochs) + 1))
