@@ -987,7 +987,10 @@ def save_checkpoint(run_dir: Path, config: Config, rt: Runtime, model: nn.Module
                      "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "average": average.model.state_dict() if average else None,
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
-        for old in sorted(path.parent.glob("ckpt-*.pt"))[:-config.keep_ckpts]:
+        # The newest --keep-ckpts up to this step; a later one is the file a rewound run resumed
+        # from, which set_aside_checkpoints moves away once this one is safe.
+        ours = [p for p in sorted(path.parent.glob("ckpt-*.pt")) if checkpoint_step(p) <= progress.step]
+        for old in ours[:-config.keep_ckpts]:
             old.unlink(missing_ok=True)
     return path
 
