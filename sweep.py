@@ -176,10 +176,13 @@ def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
     sys.path.insert(0, str(HERE))
     import mnist_ddp  # here, not at the top: summary must work without torch
+    from ddpkit.options import RunOptions
+    from ddpkit.runlog import declare_hparams as declare
     varied = [name.replace("-", "_") for name in varying(runs)]
     varied += ["global_batch"] if "batch_size" in varied else []
-    first = tuple(name for name in varied if name in mnist_ddp.HPARAMS) or mnist_ddp.USUAL_HPARAMS
-    mnist_ddp.declare_hparams(sweep_dir, first)
+    names = mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values
+    first = tuple(name for name in varied if name in names) or mnist_ddp.SHOWN_FIRST
+    declare(sweep_dir, mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1, first))
 
 
 SUBMITTED = "submitted"  # in a sweep directory: the sbatch command lines `submit` ran

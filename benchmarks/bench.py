@@ -87,7 +87,7 @@ def reference(args) -> None:
             return F.log_softmax(self.fc2(x), dim=1)
 
     torch.manual_seed(0)
-    cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": __import__("mnist_ddp").MNISTSample}[args.dataset]
+    cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": __import__("ddpkit.staging").staging.MNISTSample}[args.dataset]
     train = cls(args.data_dir, train=True, transform=transforms.ToTensor())
     test = cls(args.data_dir, train=False, transform=transforms.ToTensor())
     train_loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True)
@@ -172,7 +172,7 @@ def compute_limit(batch_size: int, threads: int, steps: int) -> float:
     import mnist_ddp
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = mnist_ddp.build_model(mnist_ddp.Config())
+    model = mnist_ddp.build_model(mnist_ddp.Recipe(), (1, 28, 28), 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=5e-4, fused=True)
     batches = [(torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))) for _ in range(8)]
     for x, y in batches[:3]:  # warm-up

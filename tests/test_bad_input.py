@@ -305,8 +305,8 @@ import sys
 import torch.nn as nn
 import mnist_ddp
 
-def wider(config):
-    model = mnist_ddp.SmallCNN(config.dropout)
+def wider(recipe, shape, classes):
+    model = mnist_ddp.SmallCNN(*shape, classes, recipe.dropout)
     model.classifier[1] = nn.Linear(64 * 7 * 7, 256)
     model.classifier[4] = nn.Linear(256, 10)
     return model

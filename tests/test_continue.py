@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import mnist_ddp
 from conftest import SCRIPT, assert_ok, clean_env, read_metrics, run_as_srun, run_single, run_torchrun
-from mnist_ddp import EXIT_DIVERGED, EXIT_STOPPED, Launch, read_checkpoint, requeue_slurm_job
+from ddpkit import jobs
+from ddpkit.checkpoints import read_checkpoint
+from ddpkit.jobs import requeue_slurm_job
+from ddpkit.launch import EXIT_DIVERGED, EXIT_STOPPED, Launch
 
 FAST = ["--epochs", "2", "--batch-size", "256"]  # 16 steps per epoch on the sample
 
@@ -114,7 +116,7 @@ def fake_scontrol(directory: Path, body: str) -> dict[str, str]:
 def test_scontrol_failure_means_not_requeued(tmp_path, monkeypatch, capsys, body):
     for name, value in fake_scontrol(tmp_path / "bin", body).items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(mnist_ddp, "SCONTROL_TIMEOUT", 1.0)
+    monkeypatch.setattr(jobs, "SCONTROL_TIMEOUT", 1.0)
     launch = Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "77", 1)
     assert requeue_slurm_job(launch) is False
     assert "could not requeue Slurm job 77 (scontrol: " in capsys.readouterr().out

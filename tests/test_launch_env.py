@@ -7,17 +7,9 @@ a missing srun, ranks that do not add up) and the single-process fallback.
 import pytest
 import torch
 
-from mnist_ddp import (
-    Config,
-    UsageError,
-    amp_warning,
-    expand_hostlist,
-    pick_device,
-    port_from_job_id,
-    read_launch_env,
-    tasks_on_node,
-    unusable_gpu_message,
-)
+from ddpkit.distributed import amp_warning, pick_device, unusable_gpu_message
+from ddpkit.launch import UsageError, expand_hostlist, port_from_job_id, read_launch_env, tasks_on_node
+from ddpkit.options import RunOptions
 
 SRUN_TASK = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8"}
@@ -131,7 +123,7 @@ def test_non_integer_variable():
 # --- GPUs: which device each rank takes, decided from the launcher's facts and torch's count.
 
 def device_for(env: dict, cuda_available: bool, device_count: int, device: str = "auto"):
-    config = Config(device=device)
+    config = RunOptions(device=device)
     return pick_device(config, read_launch_env(env), cuda_available, device_count)
 
 

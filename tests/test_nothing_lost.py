@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from conftest import SAMPLE, SCRIPT, assert_ok, clean_env, read_metrics, run_single, run_torchrun
-from mnist_ddp import EXIT_STOPPED
+from ddpkit.launch import EXIT_STOPPED
 
 BATCH = 256
 ONE_EPOCH = ["--epochs", "1", "--batch-size", str(BATCH)]
@@ -162,7 +162,7 @@ def test_two_runs_of_one_name_at_once(workdir):
 
 
 def test_unnamed_runs_started_in_the_same_second_get_their_own_directories(workdir):
-    fixed_clock = "mnist_ddp.time.strftime = lambda fmt, *t: '20260101-000000'"
+    fixed_clock = "import time\ntime.strftime = lambda fmt, *t: '20260101-000000'"
     driver = f"import sys, mnist_ddp\n{fixed_clock}\nsys.exit(mnist_ddp.main(sys.argv[1:]))"
     assert_ok(run_single(["--download-only"], cwd=workdir))
     procs = [subprocess.Popen([sys.executable, "-c", driver, "--epochs", "1", "--max-steps", "2"], cwd=workdir,

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import mnist_ddp
 from conftest import LOCAL_SLURM, SBATCH_FILE, Cluster, clean_env, finish, load_params, read_metrics
+from ddpkit import checkpoints, distributed, recovery
+from ddpkit.launch import StopSignals, exit_status, read_launch_env, unfixable_exit
 
 FAST = ["--batch-size", "64", "--ckpt-every", "10"]  # 32 steps an epoch on 2 ranks, a checkpoint every 10
 
@@ -140,35 +141,35 @@ def test_which_outcomes_the_batch_file_retries(tmp_path, srun_status, codes, sta
 ])
 def test_which_errors_mean_a_lost_peer(message, lost):
     """The words Gloo used in these tests' runs for a dead or frozen peer; anything else is a bug."""
-    assert mnist_ddp.is_lost_peer(RuntimeError(message)) is lost
+    assert recovery.is_lost_peer(RuntimeError(message)) is lost
 
 
 def test_checkpoint_clock_with_a_fake_clock():
     now = [100.0]
-    clock = mnist_ddp.CheckpointClock(2.5, clock=lambda: now[0])
+    clock = recovery.CheckpointClock(2.5, clock=lambda: now[0])
     now[0] += 149
     assert not clock.due()
     now[0] += 1
     assert clock.due()
     clock.reset()
     assert not clock.due()
-    assert not mnist_ddp.CheckpointClock(0, clock=lambda: now[0] + 1e9).due()  # 0: never
+    assert not recovery.CheckpointClock(0, clock=lambda: now[0] + 1e9).due()  # 0: never
 
 
 def _agreement(rank: int, init: str, result: dict) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    rt = mnist_ddp.Runtime(rank, rank, 2, torch.device("cpu"), "gloo", rank == 0)
+    rt = distributed.Runtime(rank, rank, 2, torch.device("cpu"), "gloo", rank == 0)
     now = [0.0]
-    clock = mnist_ddp.CheckpointClock(1, clock=lambda: now[0])
-    stop = mnist_ddp.StopSignals()
+    clock = recovery.CheckpointClock(1, clock=lambda: now[0])
+    stop = StopSignals()
     stop.restore()
     loss = torch.tensor(0.5)
-    agree = lambda: mnist_ddp.read_agreement(mnist_ddp.start_agreement(stop, loss, clock, rt))  # noqa: E731
+    agree = lambda: recovery.read_agreement(recovery.start_agreement(stop, loss, clock, rt))  # noqa: E731
     first = agree()
     if rank == 0:
         now[0] = 61.0  # only rank 0's clock has passed the minute
     second = agree()
-    progress = mnist_ddp.Progress(epoch=3, step=77)
+    progress = checkpoints.Progress(epoch=3, step=77)
     if rank == 1:
         dist.destroy_process_group()
         os._exit(0)  # rank 1 dies: rank 0's next collective loses it
@@ -176,7 +177,7 @@ def _agreement(rank: int, init: str, result: dict) -> None:
         agree()
         lost = "no error"
     except Exception as err:  # what main() sees
-        lost = mnist_ddp.lost_peer_message(err, progress) if mnist_ddp.is_lost_peer(err) else f"not a lost peer: {err!r}"
+        lost = recovery.lost_peer_message(err, progress) if recovery.is_lost_peer(err) else f"not a lost peer: {err!r}"
     result.update(first=first, second=second, lost=lost)
 
 
@@ -192,8 +193,8 @@ def test_ranks_agree_on_a_checkpoint_due_by_time_and_name_a_lost_peer(tmp_path):
         p.start()
     for p in procs:
         p.join(timeout=120)
-    assert result["first"] == mnist_ddp.Verdict(stopping=False, diverged=False, ckpt_due=False)
-    assert result["second"] == mnist_ddp.Verdict(stopping=False, diverged=False, ckpt_due=True)
+    assert result["first"] == recovery.Verdict(stopping=False, diverged=False, ckpt_due=False)
+    assert result["second"] == recovery.Verdict(stopping=False, diverged=False, ckpt_due=True)
     assert result["lost"].startswith("lost contact with another rank during the per-step agreement "
                                      "(stop, divergence, checkpoint time) at step 77 (epoch 3): a peer probably died or hung ("), \
         result["lost"]
@@ -201,15 +202,15 @@ def test_ranks_agree_on_a_checkpoint_due_by_time_and_name_a_lost_peer(tmp_path):
 
 def _lagged_stop(rank: int, init: str, result: dict) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    rt = mnist_ddp.Runtime(rank, rank, 2, torch.device("cpu"), "gloo", rank == 0)
-    clock, stop = mnist_ddp.CheckpointClock(0), mnist_ddp.StopSignals()
+    rt = distributed.Runtime(rank, rank, 2, torch.device("cpu"), "gloo", rank == 0)
+    clock, stop = recovery.CheckpointClock(0), StopSignals()
     stop.restore()
     pending, seen = None, []
     for step in range(1, 7):  # as main() does after each training step
-        earlier = mnist_ddp.read_agreement(pending) if pending else mnist_ddp.Verdict()
+        earlier = recovery.read_agreement(pending) if pending else recovery.Verdict()
         if rank == 1 and step == 3:
             stop.received = signal.SIGUSR1  # arrives on rank 1 only, during step 3
-        pending = mnist_ddp.start_agreement(stop, torch.tensor(1.0 if step != 5 else float("nan")), clock, rt)
+        pending = recovery.start_agreement(stop, torch.tensor(1.0 if step != 5 else float("nan")), clock, rt)
         seen.append((step, earlier.stopping, earlier.diverged))
     result[rank] = seen
     dist.destroy_process_group()
@@ -240,18 +241,18 @@ def test_torchrun_workers_hide_unfixable_codes_from_the_agent(monkeypatch, tmp_p
                 "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3", "MNIST_DDP_EXIT_DIR": str(tmp_path)}
     for name, value in torchrun.items():
         monkeypatch.setenv(name, value)
-    assert [mnist_ddp.exit_status(code) for code in (0, 1, 2, 3, 4, 75)] == [0, 0, 0, 0, 4, 0]
-    launch = mnist_ddp.read_launch_env(os.environ)
+    assert [exit_status(code) for code in (0, 1, 2, 3, 4, 75)] == [0, 0, 0, 0, 4, 0]
+    launch = read_launch_env(os.environ)
     assert launch.attempt == "2/4" and launch.restarts_left == 2
-    assert mnist_ddp.unfixable_exit(launch) == (0, "")
+    assert unfixable_exit(launch) == (0, "")
     (tmp_path / "rank-0").write_text("4\n")
     (tmp_path / "rank-1").write_text("1\n")
-    assert mnist_ddp.unfixable_exit(launch) == (1, "rank-1")
+    assert unfixable_exit(launch) == (1, "rank-1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # the last attempt: the agent hears the real code
-    assert mnist_ddp.exit_status(2) == 2
+    assert exit_status(2) == 2
     monkeypatch.delenv("MNIST_DDP_EXIT_DIR")  # torchrun by hand: real codes always
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert mnist_ddp.exit_status(2) == 2
+    assert exit_status(2) == 2
 
 
 # ----------------------------------------------------------------------------- on a real Slurm

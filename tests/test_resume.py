@@ -21,7 +21,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single
-from mnist_ddp import EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED, read_checkpoint
+from ddpkit.checkpoints import read_checkpoint
+from ddpkit.launch import EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED
 
 # 4000 images, 2 ranks x 64: 32 steps an epoch; 2 epochs, 64 steps; dropout exercises the RNG state.
 ARGS = ["--epochs", "2", "--batch-size", "64", "--dropout", "0.2", "--ckpt-every", "10"]

@@ -286,13 +286,15 @@ def test_every_prefix_of_run_name_log_dir_run_dir_is_refused(one_node, tmp_path)
     option: every prefix that mnist_ddp.py's own parser reads as --run-name, --run-dir or
     --log-dir is refused after the file name, before anything runs."""
     import mnist_ddp
-    parser = mnist_ddp.build_parser()
+    from ddpkit.launch import UsageError
+    from ddpkit.options import build_parser
+    parser = build_parser(mnist_ddp.Recipe)
     prefixes = []
     for option in ("--run-name", "--run-dir", "--log-dir"):
         for end in range(3, len(option) + 1):
             try:
                 parsed = parser.parse_known_args([f"{option[:end]}=x"])[0]
-            except mnist_ddp.UsageError:  # ambiguous: argparse refuses it itself
+            except UsageError:  # ambiguous: argparse refuses it itself
                 continue
             if getattr(parsed, option[2:].replace("-", "_")) == "x":
                 prefixes.append(option[:end])

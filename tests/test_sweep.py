@@ -65,7 +65,8 @@ def hparams_sessions(logdir: Path, first: list[str] | None = None) -> list[dict]
 
 def sweep_hparams() -> list[str]:
     import mnist_ddp
-    return list(mnist_ddp.HPARAMS)
+    from ddpkit.options import RunOptions
+    return list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
 
 
 # ----------------------------------------------------------------------------- option lines

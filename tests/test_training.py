@@ -14,7 +14,12 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import mnist_ddp
 from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single, run_torchrun
-from mnist_ddp import HPARAMS
+from ddpkit import imagesets
+from ddpkit.distributed import Runtime
+from ddpkit.options import RunOptions
+from ddpkit.staging import MNISTSample
+
+HPARAMS = list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
 
 SHORT = ["--epochs", "1", "--max-steps", "6", "--dropout", "0"]
 
@@ -149,12 +154,11 @@ def test_batchnorm_ranks_evaluate_rank_0s_model(workdir):
     for result in run_as_srun(2, [*args, "--run-dir", "runs/bn"], cwd=workdir, job_id=""):
         assert_ok(result)
     two_ranks = read_metrics(workdir / "runs" / "bn")[0]
-    config = mnist_ddp.Config(model="resnet18")
-    model = mnist_ddp.build_model(config)
+    model = mnist_ddp.build_model(mnist_ddp.Recipe(model="resnet18"), (1, 28, 28), 10)
     model.load_state_dict(load_params(workdir / "runs" / "bn"))
-    rt = mnist_ddp.Runtime(0, 0, 1, torch.device("cpu"), "none", True)
-    test_set = mnist_ddp.load_split(mnist_ddp.MNISTSample, workdir / "data", False, rt.device)
-    alone = mnist_ddp.evaluate(model, test_set, config, rt)
+    rt = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
+    _, test_set = imagesets.load_mnist_like(MNISTSample, workdir / "data", "memory", rt.device)
+    alone = mnist_ddp.evaluate(model, test_set, RunOptions(), rt)
     assert alone.count == two_ranks["test_images"] == 1000
     assert alone.accuracy == two_ranks["test_accuracy"]
     assert alone.loss == pytest.approx(two_ranks["test_loss"], rel=1e-5)
@@ -181,7 +185,7 @@ def test_shift_augmentation_moves_images_by_one_pixel():
     assert mnist_ddp.epoch_shifts(10, epoch=0, seed=0, fraction=0.0) is None
     images = torch.arange(1, 28 * 28 + 1, dtype=torch.int32).reshape(1, 28, 28).repeat(9, 1, 1).to(torch.uint8)
     grid = torch.tensor([[d // 3 - 1 for d in range(9)], [d % 3 - 1 for d in range(9)]])
-    shifted = mnist_ddp.shift_images(images, grid)
+    shifted = imagesets.shift_images(images.unsqueeze(1), grid).squeeze(1)
     for i, (down, right) in enumerate(grid.T.tolist()):
         expected = torch.roll(images[i], shifts=(down, right), dims=(0, 1))
         if down:

@@ -1,0 +1,15 @@
+"""ddpkit: the machinery mnist_ddp.py stands on. Nothing here needs editing to change the
+data, the model or the training step; mnist_ddp.py holds those.
+
+  launch.py        who this process is in the job, stop signals, exit codes (standard library only)
+  options.py       RunOptions and the command line (the recipe's options and these, in groups)
+  distributed.py   the device and backend, the process group, labelled collectives
+  staging.py       data sets fetched or copied into the data directories, under a lock
+  imagesets.py     a data set's splits held in memory or streamed by a DataLoader; image folders
+  checkpoints.py   atomic saves, Progress, rotation, choosing and loading the checkpoint to resume
+  recovery.py      the ranks' per-step agreement; lost peers and storage problems told apart
+  rundir.py        the run's directory, held for as long as the run lives
+  runlog.py        stdout, metrics.jsonl, TensorBoard (scalars, pictures, HParams)
+  training_run.py  TrainingRun: what happens around each step and epoch (checkpoints, stops, logs)
+  jobs.py          the job runner: start-up, the run's start, every ending as an exit code, teardown
+"""

@@ -1,0 +1,292 @@
+"""Checkpoints and resume: atomic saves, the run's Progress, rotation, setting aside the
+checkpoints a run no longer continues, and choosing and loading the one to resume from.
+
+A checkpoint holds plain dicts: the options it was written with, the state_dict of each
+thing the recipe names ("model", "optimizer", "average"), Progress, and each rank's own
+state (RNGs, the epoch's partial loss sums)."""
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
+from ddpkit.launch import UsageError
+from ddpkit.options import flag
+
+TEMPORARY_SUFFIX = ".tmp-"  # save_atomic writes .NAME.tmp-PID beside NAME
+
+
+def save_atomic(obj, path: Path) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it: a crash
+    mid-write leaves the previous file intact (rename is atomic on POSIX and NFS).
+
+    A failed write removes its temporary file (left there, it would keep a full disk full
+    for every later attempt) and raises an OSError that names `path`: torch.save reports a
+    full disk as a RuntimeError raised while handling it, and a write's OSError names no file."""
+    tmp = path.with_name(f".{path.name}{TEMPORARY_SUFFIX}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # KeyboardInterrupt too
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        cause = err if isinstance(err, Exception) else None
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from err
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files of saves that never finished (a SIGKILL, a lost node, a
+    power cut mid-save) from the run directory and its checkpoints/; returns them. Only the
+    process that holds the run directory may call this: another run's save in progress
+    would look the same."""
+    pattern = re.compile(rf"\..+{re.escape(TEMPORARY_SUFFIX)}\d+")
+    stale = [path for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir()
+             for path in sorted(folder.iterdir()) if pattern.fullmatch(path.name) and path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+CKPT_FORMAT = 1
+
+
+@dataclass
+class Progress:
+    """Where training stands; a checkpoint records it and a resumed run starts from it."""
+    epoch: int = 1              # the epoch in progress
+    step_in_epoch: int = 0      # its batches already done
+    # Optimiser steps done in all, the run's one count (logs, checkpoint names, rotation). A
+    # resume with another world size keeps counting from where the interrupted epoch began.
+    step: int = 0
+    last_record: dict = field(default_factory=dict)  # the last evaluation's metrics
+    finished: bool = False      # the last epoch evaluated and model.pt written: nothing left to do
+
+
+
+def rank_state(loss_sum: torch.Tensor, device: torch.device) -> dict:
+    """What each rank alone holds that the run depends on: RNG states (dropout) and the
+    partial sums of the epoch in progress."""
+    return {"cpu_rng": torch.get_rng_state(), "loss_sum": loss_sum.cpu(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def weights_are_finite(state: Mapping[str, object]) -> bool:
+    """A finite loss can still be followed by an update that overflows the weights. The
+    weights are the same on every rank, so every rank reaches the same verdict."""
+    return all(bool(torch.isfinite(p).all()) for thing in state.values() if isinstance(thing, nn.Module)
+               for p in thing.parameters())
+
+
+def save_checkpoint(run_dir: Path, options: dict, state: Mapping[str, object], rt: Runtime, progress: Progress,
+                    loss_sum: torch.Tensor, keep: int) -> Path:
+    """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
+    the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
+    is saved as its state_dict under its name."""
+    states = gather_to_all(rank_state(loss_sum, rt.device), "the gather of each rank's state")
+    path = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
+    if rt.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_atomic({"format": CKPT_FORMAT, "config": options, "world_size": rt.world_size,
+                     **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
+                     "progress": dataclasses.asdict(progress), "rank_states": states}, path)
+        # The newest `keep` up to this step; a later one is the file a rewound run resumed
+        # from, which set_aside_checkpoints moves away once this one is safe.
+        ours = [p for p in sorted(path.parent.glob("ckpt-*.pt")) if checkpoint_step(p) <= progress.step]
+        for old in ours[:-keep]:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path]:
+    """Move the checkpoints numbered `step` or later, but the file `keep`, into a folder of
+    their own under checkpoints/superseded/, and return them. A run that goes on from an
+    earlier point (a rollback with --resume PATH, another world size restarting its epoch,
+    newer files that would not load) writes a new path from there, which --resume auto and
+    rotation must not mistake for the old one. Nothing is deleted or overwritten: a
+    rollback made by mistake can still be undone by hand."""
+    checkpoints = run_dir / "checkpoints"
+    kept = Path(keep).resolve() if keep else None
+    later = [p for p in sorted(checkpoints.glob("ckpt-*.pt")) if checkpoint_step(p) >= step and p.resolve() != kept]
+    if later:
+        aside = checkpoints / "superseded" / f"{time.strftime('%Y%m%d-%H%M%S')}-going-on-from-step-{step}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for path in later:
+            os.replace(path, aside / path.name)
+    return later
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step in a checkpoint's name (ckpt-00000120.pt: 120), -1 for another name."""
+    match = re.fullmatch(r"ckpt-(\d+)\.pt", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def read_checkpoint(path: Path, device: torch.device | str) -> dict:
+    # weights_only: a file planted in a shared directory can hold tensors and plain
+    # containers, nothing that runs code when unpickled.
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise ValueError(f"not a mnist_ddp.py checkpoint of format {CKPT_FORMAT}")
+    return ckpt
+
+
+def checkpoint_differences(ckpt: dict, recipe: dict) -> dict[str, str]:
+    """The recipe's options (they set the course of training) that differ, each as 'there, here'."""
+    return {k: f"{flag(k)} {ckpt['config'].get(k)} there, {value} here"
+            for k, value in recipe.items() if ckpt["config"].get(k) != value}
+
+
+def refuse_if_unfitting(path: Path, saved: Mapping[str, torch.Tensor], model: nn.Module) -> None:
+    """A checkpoint whose weights do not fit this model (its code was edited since: a wider
+    layer, a renamed one) is refused in one line that names the first tensor that differs,
+    instead of load_state_dict's page-long error."""
+    mine, difference = model.state_dict(), ""
+    for name, tensor in mine.items():
+        if name not in saved:
+            difference = f"{name} is not in the checkpoint"
+        elif saved[name].shape != tensor.shape:
+            difference = f"{name} has shape {list(saved[name].shape)} there, {list(tensor.shape)} here"
+        if difference:
+            break
+    else:
+        extra = [name for name in saved if name not in mine]
+        difference = f"{extra[0]} is in the checkpoint but not in this model" if extra else ""
+    if difference:
+        raise UsageError(f"checkpoint {path} does not fit this model ({difference}): the model's code changed since it "
+                         "was saved. Pass another --run-name to train the changed model afresh, or undo the change to "
+                         "resume this run")
+
+
+def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: tuple[str, ...],
+                    run_dir: Path) -> tuple[Path | None, str]:
+    """Rank 0 picks the checkpoint to resume from: the newest one that loads, falling back
+    past damaged or refused files with a warning that names them. Also returns what
+    --allow-changes let differ ("" if nothing)."""
+    found = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"), reverse=True)
+    if resume == "never":
+        if found:
+            raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
+                             "pass another --run-name to start afresh, or --resume auto to continue")
+        warn_if_starting_over(run_dir, [])
+        return None, ""
+    candidates = found if resume == "auto" else [Path(resume)]
+    for path in candidates:
+        try:
+            ckpt = read_checkpoint(path, "cpu")
+        except Exception as err:  # truncated, garbage, or refused by weights_only
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if resume != "auto":
+                raise UsageError(f"cannot resume from {path}: {reason}") from None
+            print(f"warning: skipping checkpoint {path}: {reason[:200]}", file=sys.stderr, flush=True)
+            continue
+        differences = checkpoint_differences(ckpt, recipe)
+        fixed = [text for k, text in differences.items() if k not in changeable]
+        if fixed or (differences and not allow_changes):
+            allowed = ", ".join(flag(k) for k in changeable)
+            raise UsageError(f"checkpoint {path} is from a different configuration ({'; '.join(differences.values())}); "
+                             "resume with the same options, or pass another --run-name to start afresh"
+                             + ("" if fixed else f", or add --allow-changes to carry on with new {allowed}"))
+        return path, "; ".join(differences.values())
+    warn_if_starting_over(run_dir, found)
+    return None, ""
+
+
+def warn_if_starting_over(run_dir: Path, unreadable: list[Path]) -> None:
+    """A run directory that holds logs but no checkpoint that loads starts over from step 0:
+    say so, since its logged epochs are replaced rather than continued."""
+    metrics = run_dir / "metrics.jsonl"
+    if unreadable or (metrics.is_file() and metrics.stat().st_size > 0):
+        kept = " (the checkpoints that did not load go to checkpoints/superseded/)" if unreadable else ""
+        print(f"warning: {run_dir} holds an earlier attempt's logs but no checkpoint that loads: starting the run over "
+              f"from step 0, replacing its logged epochs{kept}", file=sys.stderr, flush=True)
+
+
+def run_is_done(progress: Progress, epochs: int, max_steps: int) -> bool:
+    """Whether training has nothing left to do: every epoch done, or the --max-steps cap reached."""
+    return progress.epoch > epochs or (max_steps > 0 and progress.step >= max_steps)
+
+
+def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: int,
+                max_steps: int) -> tuple[Progress, torch.Tensor]:
+    """Load a checkpoint rank 0 chose into `state` (the recipe's model, optimizer, ...);
+    returns where to go on and this rank's loss sums of the epoch in progress."""
+    # Read onto the CPU: load_state_dict places each tensor beside its parameter, except
+    # AdamW's step counts, which must stay on the CPU or every step syncs with the GPU.
+    ckpt = read_checkpoint(path, "cpu")
+    for name, thing in state.items():
+        if thing is None:
+            continue
+        if name not in ckpt or ckpt[name] is None:
+            raise UsageError(f"checkpoint {path} holds no {name}: the recipe's code changed since it was saved. Pass "
+                             "another --run-name to train afresh, or undo the change to resume this run")
+        if isinstance(thing, nn.Module):
+            refuse_if_unfitting(path, ckpt[name], thing)
+            thing.load_state_dict(ckpt[name])
+        elif isinstance(thing, torch.optim.Optimizer):
+            load_optimizer(path, thing, ckpt[name])
+        else:
+            thing.load_state_dict(ckpt[name])
+    progress = Progress(**ckpt["progress"])
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    if ckpt["world_size"] == rt.world_size:
+        state = ckpt["rank_states"][rt.rank]
+        torch.set_rng_state(state["cpu_rng"].cpu())
+        if state["cuda_rng"] is not None and rt.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), rt.device)
+        loss_sum.copy_(state["loss_sum"])
+    elif not (progress.finished and run_is_done(progress, epochs, max_steps)):
+        # Other shards, other batches: restart the interrupted epoch with the saved weights,
+        # its steps counted on from where it began (past every step logged before it).
+        start = progress.step - progress.step_in_epoch
+        record = progress.last_record if progress.last_record.get("step", 0) <= start else {}  # not evaluated here
+        progress = Progress(progress.epoch, 0, start, record)
+        if rt.is_main:
+            print(f"warning: {path} was written by {ckpt['world_size']} ranks, this run has {rt.world_size}: "
+                  f"the data order changed; continuing from the start of epoch {progress.epoch}", file=sys.stderr)
+    return progress, loss_sum
+
+
+def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The optimizer's state from the checkpoint, its hyperparameters from the options given
+    now (--allow-changes decided whether they may differ): lr, weight decay, betas."""
+    given = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(saved)
+    except ValueError as err:  # its parameter groups differ: the optimizer's code changed
+        raise UsageError(f"checkpoint {path} does not fit this optimizer ({err}); pass another --run-name to train "
+                         "afresh, or undo the change to resume this run") from None
+    for group, hyperparameters in zip(optimizer.param_groups, given, strict=True):
+        group.update(hyperparameters)
+
+
+def agree_on_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: tuple[str, ...], rt: Runtime,
+                        run_dir: Path) -> tuple[str, str]:
+    """Rank 0 picks the checkpoint (or the error) and tells every rank: (path or "", what
+    --allow-changes let differ)."""
+    choice = ["", "", ""]
+    if rt.is_main:
+        try:
+            path, changed = find_checkpoint(resume, allow_changes, recipe, changeable, run_dir)
+            choice = [str(path or ""), changed, ""]
+        except UsageError as err:
+            choice = ["", "", str(err)]
+    path, changed, error = broadcast_from_main(choice, "choosing the checkpoint to resume from")
+    if error:
+        raise UsageError(error if rt.is_main else "rank 0 cannot resume; see its error")
+    return path, changed

@@ -1,0 +1,206 @@
+"""The process group and the device: which device and backend each rank uses (and why a
+GPU that Slurm gave cannot be used), the process group's setup and teardown, and the few
+collectives the rest uses, each labelled with what it is for, so that a lost peer is named
+by the operation that lost it."""
+
+import contextlib
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.launch import Launch, UsageError
+from ddpkit.options import RunOptions
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This process once the process group is up."""
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str            # "gloo", "nccl", or "none" for a single process
+    is_main: bool
+
+
+# CUDA builds on PyTorch's own index, oldest first; a driver runs builds up to its CUDA version.
+CUDA_WHEELS = ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (12, 9), (13, 0))
+
+
+def driver_cuda() -> tuple[str, str]:
+    """(driver version, highest CUDA version it runs) from nvidia-smi's header, or ("", "")."""
+    try:
+        header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "", ""
+    driver = re.search(r"Driver Version:\s*([\d.]+)", header)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    return (driver.group(1) if driver else ""), (cuda.group(1) if cuda else "")
+
+
+def unusable_gpu_message(granted: str, torch_cuda: str | None, driver: str, driver_max_cuda: str) -> str:
+    """Slurm gave GPUs that this torch cannot use: say why, and which build to install."""
+    build = f"torch {torch.__version__} is a CPU-only build" if not torch_cuda else f"torch {torch.__version__} is built for CUDA {torch_cuda}"
+    fits = [w for w in CUDA_WHEELS if driver_max_cuda and w <= tuple(int(x) for x in driver_max_cuda.split(".")[:2])]
+    index = "cu{}{}".format(*fits[-1]) if fits else "cuXYZ (a CUDA version your driver supports)"
+    node = (f"the node's driver {driver} runs CUDA up to {driver_max_cuda}" if driver
+            else "the driver's version is unknown (no nvidia-smi on this node)")
+    return (f"this job was given GPUs ({granted}) but torch cannot use them: {build}, {node}. Install a matching build: "
+            f"pip install torch torchvision --index-url https://download.pytorch.org/whl/{index} ; or pass --device cpu "
+            "to train on the CPU on purpose")
+
+
+def pick_device(config: RunOptions, launch: Launch, cuda_available: bool, device_count: int) -> tuple[torch.device, str]:
+    """The device and backend of this rank, from the launcher's facts and what torch sees.
+
+    A GPU that Slurm gave but torch cannot use (a CUDA build newer than the driver, a
+    CPU-only wheel) must not quietly become a CPU run; nor may ranks pile onto fewer GPUs."""
+    wants_cuda = config.device == "cuda" or config.backend == "nccl"
+    if not cuda_available and (wants_cuda or (config.device == "auto" and launch.gpus_granted)):
+        if launch.gpus_granted:
+            raise UsageError(unusable_gpu_message(launch.gpus_granted, torch.version.cuda, *driver_cuda()))
+        flag = "--device cuda" if config.device == "cuda" else "--backend nccl"
+        raise UsageError(f"{flag} needs a CUDA GPU but torch sees none (CUDA_VISIBLE_DEVICES unset); "
+                         "use --device cpu --backend gloo, or ask Slurm for a GPU")
+    use_cuda = config.device == "cuda" or (config.device == "auto" and cuda_available)
+    backend = config.backend if config.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if not use_cuda:
+        return torch.device("cpu"), backend
+    if launch.local_world_size <= device_count:
+        index = launch.local_rank                       # each rank of the node sees every GPU: take its own
+    elif device_count == 1 and launch.gpu_per_task and launch.source == "slurm":
+        index = 0                                       # srun --gpus-per-task: the one GPU shown is this task's
+    else:
+        raise UsageError(
+            f"{launch.local_world_size} ranks on this node but {device_count} GPU(s) visible to rank {launch.rank} "
+            f"({launch.gpus_granted or 'CUDA_VISIBLE_DEVICES unset'}): ranks would share GPUs. Ask for one GPU per rank: "
+            "--gpus-per-node=N with --ntasks-per-node=N, or --gpus-per-task=1 (srun mode only: with LAUNCHER=torchrun, "
+            "one task per node must see all its GPUs, so use --gpus-per-node)")
+    return torch.device("cuda", index), backend
+
+
+def amp_warning(amp: bool, gpu_name: str, capability: tuple[int, int]) -> str:
+    """bfloat16 runs in emulation on GPUs before Ampere (compute capability 8.0): slower than fp32."""
+    if not amp or capability >= (8, 0):
+        return ""
+    return (f"warning: --amp uses bfloat16, which {gpu_name} (compute capability {capability[0]}.{capability[1]}) "
+            "only emulates: slower than without --amp. Leave --amp off on GPUs older than Ampere (A100, RTX 30xx)")
+
+
+def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
+    cuda = torch.cuda.is_available()
+    device, backend = pick_device(config, launch, cuda, torch.cuda.device_count() if cuda else 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
+        warning = amp_warning(config.amp, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+        if warning and launch.rank == 0:
+            print(warning, file=sys.stderr, flush=True)
+    if launch.num_threads:
+        torch.set_num_threads(launch.num_threads)
+    if launch.world_size == 1:
+        return Runtime(0, 0, 1, device, "none", True)
+    with collective("joining the process group"):
+        dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                                rank=launch.rank, world_size=launch.world_size,
+                                timeout=timedelta(seconds=config.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+    return Runtime(launch.rank, launch.local_rank, launch.world_size, device, backend, launch.rank == 0)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- collectives, labelled
+
+# What the ranks are doing together when no labelled collective runs: set by the training
+# loop's owner to the gradient all-reduce that DDP runs inside backward().
+_background = ["a collective"]
+
+
+def set_background(what: str) -> None:
+    _background[0] = what
+
+
+@contextlib.contextmanager
+def collective(what: str):
+    """Label the collectives inside: an error raised there carries `what` as its
+    `collective` attribute (the innermost label wins), which recovery.lost_peer_message names."""
+    try:
+        yield
+    except Exception as err:
+        if getattr(err, "collective", None) is None:
+            with contextlib.suppress(AttributeError, TypeError):
+                err.collective = what
+        raise
+
+
+def collective_of(err: BaseException) -> str:
+    """What the ranks were doing together when `err` was raised."""
+    return getattr(err, "collective", None) or _background[0]
+
+
+def all_reduce(tensor: torch.Tensor, what: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place across ranks; a single process has nothing to reduce."""
+    if dist.is_initialized():
+        with collective(what):
+            dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def all_ranks_agree(ok: bool, rt: Runtime, what: str) -> bool:
+    """True when `ok` holds on every rank; doubles as a barrier."""
+    flag = torch.tensor([0 if ok else 1], device=rt.device)
+    return all_reduce(flag, what).item() == 0
+
+
+def broadcast_from_main(value, what: str):
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    with collective(what):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_all(obj, what: str) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    objs = [None] * dist.get_world_size()
+    with collective(what):
+        dist.all_gather_object(objs, obj)
+    return objs
+
+
+def barrier(what: str) -> None:
+    if dist.is_initialized():
+        with collective(what):
+            dist.barrier()
+
+
+def sync_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics).
+
+    Each rank updates them from its own batches, so without this every shard of the test
+    set would be scored by a different model, and none of them the one rank 0 saves."""
+    if dist.is_initialized():
+        with collective("the broadcast of the model's buffers"):
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+
+
+def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
+    """The model in DistributedDataParallel, which averages the gradients in backward() (a
+    single process trains the model itself). Its constructor broadcasts rank 0's weights."""
+    if rt.world_size == 1:
+        return model
+    with collective("wrapping the model in DDP (the broadcast of rank 0's weights)"):
+        return DistributedDataParallel(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)

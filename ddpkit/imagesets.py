@@ -1,0 +1,467 @@
+"""Image sets: one split of a data set as the training loop indexes it, read from torchvision's
+MNIST-like files or from an image folder (train/<class>/*, test/<class>/*), and fed either from
+memory (one uint8 tensor on the device, indexed per step) or streamed by a DataLoader that
+decodes each batch's files, for data that does not fit. Both feeds give the same pixels.
+
+Also the per-batch image arithmetic that both feeds share: standardising and shifting."""
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets import MNIST
+
+from ddpkit.launch import UsageError
+from ddpkit.staging import data_lock, raw_files
+
+FEEDS = ("memory", "stream")
+# Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
+# keyed by torchvision class name (a --data-mirror subclass keeps the name).
+MNIST_STATS = {"MNIST": ((0.1307,), (0.3081,)), "MNISTSample": ((0.1307,), (0.3081,)),
+               "FashionMNIST": ((0.2860,), (0.3530,))}
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+# PIL modes without colour; a folder whose images all have one of them gets 1 channel.
+GRAY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
+STATS_FILE = ".mnist-ddp-stats.json"
+STATS_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------- the image set
+
+@dataclass(frozen=True, eq=False)
+class ImageSet:
+    """One split of a data set, as the training loop and evaluation index it."""
+    labels: torch.Tensor                     # int64 [N], on the training device
+    images: torch.Tensor | None              # uint8 [N, C, H, W] on the training device when held in memory, else None
+    reader: Dataset | None                   # when streamed: item i -> uint8 [C, H, W] CPU tensor (image i)
+    classes: tuple[str, ...]                 # class names, index = label
+    mean: tuple[float, ...]                  # per-channel mean of the training split's pixels, 0-1 scale
+    std: tuple[float, ...]                   # per-channel standard deviation, same
+
+    def __post_init__(self):
+        if (self.images is None) == (self.reader is None):
+            raise ValueError("an ImageSet holds either images (memory) or a reader (stream)")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def feed(self) -> str:
+        return "memory" if self.images is not None else "stream"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of every image."""
+        if self.images is not None:
+            return tuple(self.images.shape[1:])
+        return getattr(self.reader, "shape", None) or tuple(self.reader[0].shape)
+
+    def batches(self, index_batches: list[torch.Tensor], device: torch.device, workers: int = 0) -> Iterator[torch.Tensor]:
+        """uint8 [B, C, H, W] images on `device`, one batch per index tensor, in order."""
+        if self.images is not None:
+            for idx in index_batches:
+                yield self.images[idx.to(self.images.device)].to(device)
+            return
+        loader = DataLoader(self.reader, batch_sampler=[idx.tolist() for idx in index_batches], num_workers=workers,
+                            pin_memory=device.type == "cuda")
+        try:
+            for batch in loader:
+                yield batch.to(device, non_blocking=True)
+        except UsageError as err:
+            raise UsageError(_worker_message(err)) from None
+
+    def pictures(self, indices: torch.Tensor) -> torch.Tensor:
+        """uint8 [k, C, H, W] CPU images for these indices (for TensorBoard), either feed."""
+        if self.images is not None:
+            return self.images[indices.to(self.images.device)].cpu()
+        if not len(indices):
+            return torch.zeros((0, *self.shape), dtype=torch.uint8)
+        return torch.stack([self.reader[i] for i in indices.tolist()])
+
+
+def _worker_message(err: UsageError) -> str:
+    """The one-line message of a UsageError raised in a DataLoader worker: torch re-raises it
+    with the worker's whole traceback as its text (torch/utils/_utils.py, ExceptionWrapper),
+    whose last line is 'ddpkit.launch.UsageError: <message>'."""
+    last = (str(err).strip().splitlines() or [""])[-1]
+    return last.partition("UsageError: ")[2] or str(err)
+
+
+class TensorReader(Dataset):
+    """Image i of a split already in (CPU) memory: the streamed feed of the MNIST-like sets."""
+
+    def __init__(self, images: torch.Tensor):
+        self.images = images
+        self.shape = tuple(images.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.images[i]
+
+
+class FolderReader(Dataset):
+    """Image i of an image folder's split, decoded from its file when asked for. It holds only
+    paths, so it pickles small for DataLoader workers."""
+
+    def __init__(self, paths: list[str], shape: tuple[int, int, int]):
+        self.paths, self.shape = paths, shape
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return decode_image(self.paths[i], self.shape)
+
+
+# ----------------------------------------------------------------------------- choosing the feed
+
+def choose_feed(wanted: str, image_bytes: int, ranks_on_node: int, device: torch.device) -> tuple[str, str]:
+    """("memory" or "stream", a short reason for the log). `image_bytes` is one rank's copy of
+    both splits as uint8; every rank on the node holds its own, on the CPU while loading."""
+    if wanted in FEEDS:
+        return wanted, f"{'held in memory' if wanted == 'memory' else 'streamed'} (--data-feed {wanted})"
+    if wanted != "auto":
+        raise ValueError(f"data feed {wanted!r} is not one of auto, {', '.join(FEEDS)}")
+    need = f"{ranks_on_node} x {human_bytes(image_bytes)}"
+    available = available_memory()
+    if available is not None and image_bytes * ranks_on_node > available / 2:
+        return "stream", f"streamed by a DataLoader: {need} would not fit in {human_bytes(available / 2)} (half the memory available)"
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if image_bytes > free / 4:
+            return "stream", (f"streamed by a DataLoader: {human_bytes(image_bytes)} would not fit in {human_bytes(free / 4)} "
+                              f"(a quarter of {device}'s free memory)")
+    room = f"{human_bytes(available / 2)} (half the memory available)" if available is not None else "memory (size unknown)"
+    return "memory", f"held in memory: {need} fit in {room}"
+
+
+def available_memory() -> int | None:
+    """MemAvailable in bytes (what can be allocated without swapping), or None if unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def human_bytes(n: float) -> str:
+    """188 MB, 30.2 GB: decimal units, three significant figures."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 999.5:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+# ----------------------------------------------------------------------------- MNIST-like sets
+
+def mnist_like_bytes(cls: type[MNIST], data_dir: Path) -> int:
+    """uint8 bytes of both splits' images, from the staged IDX files' sizes (16-byte headers)."""
+    raw = data_dir / cls.__name__ / "raw"
+    return sum((raw / name).stat().st_size - 16 for name in raw_files(cls) if "images" in name)
+
+
+def load_mnist_like(cls: type[MNIST], data_dir: Path, feed: str, device: torch.device) -> tuple[ImageSet, ImageSet]:
+    """(train, test) of a torchvision MNIST-family data set staged in DATA_DIR/<Name>/raw."""
+    train, test = (read_mnist_split(cls, data_dir, part) for part in (True, False))
+    mean, std = MNIST_STATS.get(cls.__name__) or stats_from_histograms(channel_histograms(train.data.unsqueeze(1)))
+    classes = tuple(cls.classes)
+
+    def image_set(ds: MNIST) -> ImageSet:
+        images = ds.data.unsqueeze(1).contiguous()  # [N, 1, 28, 28]
+        if feed == "memory":
+            return ImageSet(ds.targets.to(device), images.to(device), None, classes, mean, std)
+        return ImageSet(ds.targets.to(device), None, TensorReader(images), classes, mean, std)
+
+    return image_set(train), image_set(test)
+
+
+def read_mnist_split(cls: type[MNIST], data_dir: Path, train: bool) -> MNIST:
+    try:
+        return cls(str(data_dir), train=train, download=False)
+    except Exception as err:  # torchvision raises several kinds for damaged files
+        raise UsageError(f"cannot read {data_dir / cls.__name__ / 'raw'} ({type(err).__name__}: {err}); "
+                         "delete that folder and run again to fetch it anew") from None
+
+
+# ----------------------------------------------------------------------------- image folders
+
+@dataclass(frozen=True)
+class FolderListing:
+    """The image files of a folder data set, in a fixed order every rank agrees on."""
+    classes: tuple[str, ...]
+    train: list[tuple[str, int]]     # (path, label)
+    test: list[tuple[str, int]]
+    fingerprint: str                 # hash of every image's relative path, size and mtime
+    ignored: list[str]               # files that are not PNG or JPEG
+
+
+@dataclass(frozen=True)
+class FolderFacts:
+    """What reading every header and every training pixel once finds out (and the cache holds)."""
+    shape: tuple[int, int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def folder_bytes(root: Path) -> int:
+    """uint8 bytes of both splits' images, for choose_feed before load_folder: from the
+    statistics cache when it is current, else from every image's header."""
+    listing = list_folder(root)
+    facts = read_stats_cache(root, listing.fingerprint)
+    shape = facts.shape if facts else check_headers(listing)
+    return (len(listing.train) + len(listing.test)) * math.prod(shape)
+
+
+def load_folder(root: Path, feed: str, device: torch.device, lock_dir: Path | None = None,
+                verbose: bool = True) -> tuple[ImageSet, ImageSet]:
+    """(train, test) from ROOT/train/<class>/* and ROOT/test/<class>/* (PNG and JPEG, all of
+    one size). `verbose` (say, rank 0 only) prints the warnings and the one-off statistics line."""
+    listing = list_folder(root)
+    if listing.ignored and verbose:
+        print(f"warning: ignored {len(listing.ignored)} file(s) in {root} that are not PNG or JPEG, e.g. "
+              f"{listing.ignored[0]}", file=sys.stderr, flush=True)
+    facts = folder_facts(root, listing, lock_dir, verbose)
+
+    def image_set(files: list[tuple[str, int]]) -> ImageSet:
+        labels = torch.tensor([label for _, label in files], dtype=torch.int64, device=device)
+        reader = FolderReader([path for path, _ in files], facts.shape)
+        if feed == "memory":
+            return ImageSet(labels, decode_all(reader).to(device), None, listing.classes, facts.mean, facts.std)
+        return ImageSet(labels, None, reader, listing.classes, facts.mean, facts.std)
+
+    return image_set(listing.train), image_set(listing.test)
+
+
+def layout_hint(root: Path) -> str:
+    return f"--dataset folder reads {root}/train/<class>/*.png|jpg and {root}/test/<class>/*"
+
+
+def list_folder(root: Path) -> FolderListing:
+    """Every image of train/ and test/, labelled by its class folder, with the layout checked."""
+    for part in ("train", "test"):
+        if not (root / part).is_dir():
+            raise UsageError(f"--data-dir {root} has no {part}/ folder: {layout_hint(root)}")
+    ignored: list[str] = []
+    train_dirs = class_dirs(root / "train", ignored)
+    if not train_dirs:
+        raise UsageError(f"{root / 'train'} has no class folders: {layout_hint(root)}")
+    classes = tuple(path.name for path in train_dirs)
+    train, test, stamps = [], [], []
+    for label, class_dir in enumerate(train_dirs):
+        found = image_files(class_dir, ignored)
+        if not found:
+            raise UsageError(f"{class_dir} holds no PNG or JPEG images: add some, or remove the folder to drop the class")
+        train += [(path, label) for path in found]
+    for class_dir in class_dirs(root / "test", ignored):
+        if class_dir.name not in classes:
+            raise UsageError(f"{class_dir} is a class that {root / 'train'} lacks: add {root / 'train' / class_dir.name} "
+                             "with training images, or remove it")
+        test += [(path, classes.index(class_dir.name)) for path in image_files(class_dir, ignored)]
+    if not test:
+        raise UsageError(f"{root / 'test'} holds no PNG or JPEG images: put the test images in {root}/test/<class>/")
+    for path, _ in train + test:
+        stat = os.stat(path)
+        stamps.append(f"{os.path.relpath(path, root)}\t{stat.st_size}\t{stat.st_mtime_ns}\n")
+    fingerprint = hashlib.sha256("".join(stamps).encode()).hexdigest()
+    return FolderListing(classes, train, test, fingerprint, ignored)
+
+
+def class_dirs(split_dir: Path, ignored: list[str]) -> list[Path]:
+    """The class folders of train/ or test/, sorted by name; hidden entries skipped, files noted."""
+    dirs = []
+    for entry in sorted(os.scandir(split_dir), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            dirs.append(Path(entry.path))
+        else:
+            ignored.append(entry.path)
+    return dirs
+
+
+def image_files(class_dir: Path, ignored: list[str]) -> list[str]:
+    """The PNG and JPEG files in a class folder and its subfolders, as torchvision's
+    ImageFolder finds them, in a fixed order; hidden entries skipped, other files noted."""
+    found = []
+    for parent, dirnames, filenames in os.walk(class_dir, followlinks=True):
+        dirnames[:] = sorted(name for name in dirnames if not name.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            (found if name.lower().endswith(IMAGE_SUFFIXES) else ignored).append(os.path.join(parent, name))
+    return found
+
+
+def read_header(path: str) -> tuple[tuple[int, int], str]:
+    """(width, height) and PIL mode, from the file's header only."""
+    try:
+        with Image.open(path) as image:
+            return image.size, image.mode
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise UsageError(f"cannot read {path} as an image ({type(err).__name__}: {err}); remove or replace it") from None
+
+
+def check_headers(listing: FolderListing) -> tuple[int, int, int]:
+    """(C, H, W) shared by every image: 1 channel if all are grayscale, else 3. Refuses an
+    image of another size than the first (they are not resized: that would change the data)."""
+    paths = [path for path, _ in listing.train + listing.test]
+    with ThreadPoolExecutor(decode_threads()) as pool:  # threads hide the latency of network file systems
+        headers = list(pool.map(read_header, paths))
+    (width, height), _ = headers[0]
+    for path, (size, _) in zip(paths, headers, strict=True):
+        if size != (width, height):
+            raise UsageError(f"{path} is {size[0]}x{size[1]} but {paths[0]} is {width}x{height}: every image must have one "
+                             f"size; resize them first (e.g. with Pillow or ImageMagick's mogrify -resize {width}x{height}!)")
+    channels = 1 if all(mode in GRAY_MODES for _, mode in headers) else 3
+    return channels, height, width
+
+
+def decode_image(path: str, shape: tuple[int, int, int]) -> torch.Tensor:
+    """uint8 [C, H, W]: the file's pixels as grayscale (C = 1) or RGB (C = 3)."""
+    try:
+        with Image.open(path) as image:
+            if image.mode in SIXTEEN_BIT_MODES:
+                # PIL's convert("L") clips 16-bit values at 255, which turns most of an image white.
+                image = Image.fromarray((np.array(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8))
+            pixels = np.array(image.convert("L" if shape[0] == 1 else "RGB"))
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise UsageError(f"cannot decode {path} ({type(err).__name__}: {err}); remove or replace it") from None
+    if pixels.shape[:2] != shape[1:]:
+        raise UsageError(f"{path} is {pixels.shape[1]}x{pixels.shape[0]} but the other images are {shape[2]}x{shape[1]}: "
+                         f"every image must have one size; resize it first (e.g. with mogrify -resize {shape[2]}x{shape[1]}!)")
+    return torch.from_numpy(pixels.reshape(*shape[1:], shape[0])).permute(2, 0, 1).contiguous()
+
+
+def decode_threads() -> int:
+    """Threads for decoding (PIL releases the GIL): this rank's share of the CPUs, which the
+    launcher set as torch's thread count."""
+    return max(1, torch.get_num_threads())
+
+
+def decode_chunks(reader: FolderReader, chunk: int = 1024) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, uint8 [k, C, H, W]) for consecutive chunks of the reader's images, decoded by threads."""
+    with ThreadPoolExecutor(decode_threads()) as pool:
+        for start in range(0, len(reader), chunk):
+            yield start, torch.stack(list(pool.map(reader.__getitem__, range(start, min(start + chunk, len(reader))))))
+
+
+def decode_all(reader: FolderReader) -> torch.Tensor:
+    images = torch.empty((len(reader), *reader.shape), dtype=torch.uint8)
+    for start, part in decode_chunks(reader):
+        images[start: start + len(part)] = part
+    return images
+
+
+# ----------------------------------------------------------------------------- pixel statistics
+
+def channel_histograms(images: torch.Tensor) -> torch.Tensor:
+    """int64 [C, 256]: how many pixels of each channel have each value. Counts are exact, so
+    the statistics do not depend on how the images were chunked."""
+    return torch.stack([torch.bincount(images[:, c].reshape(-1), minlength=256) for c in range(images.shape[1])])
+
+
+def stats_from_histograms(histograms: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and (population) standard deviation on the 0-1 scale, from exact integer sums."""
+    means, stds = [], []
+    for counts in histograms.tolist():
+        n = sum(counts)
+        total = sum(v * c for v, c in enumerate(counts))
+        squares = sum(v * v * c for v, c in enumerate(counts))
+        means.append(total / n / 255)
+        stds.append(math.sqrt(squares * n - total * total) / n / 255)
+    return tuple(means), tuple(stds)
+
+
+def measure_pixels(reader: FolderReader) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    histograms = torch.zeros((reader.shape[0], 256), dtype=torch.int64)
+    for _, part in decode_chunks(reader):
+        histograms += channel_histograms(part)
+    return stats_from_histograms(histograms)
+
+
+def read_stats_cache(root: Path, fingerprint: str) -> FolderFacts | None:
+    """The cached facts when they were measured on exactly these files, else None."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads((root / STATS_FILE).read_text())
+        if saved["format"] == STATS_FORMAT and saved["fingerprint"] == fingerprint:
+            return FolderFacts(tuple(saved["shape"]), tuple(saved["mean"]), tuple(saved["std"]))
+    return None
+
+
+def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
+    """Write the cache atomically (a reader never sees half of it); "" or why it failed."""
+    path, temporary = root / STATS_FILE, root / f"{STATS_FILE}.tmp-{os.getpid()}"
+    try:
+        temporary.write_text(json.dumps({"format": STATS_FORMAT, "fingerprint": fingerprint, "shape": facts.shape,
+                                         "mean": facts.mean, "std": facts.std}) + "\n")
+        os.replace(temporary, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        return err.strerror or str(err)
+    return ""
+
+
+def folder_facts(root: Path, listing: FolderListing, lock_dir: Path | None, verbose: bool) -> FolderFacts:
+    """Shape and pixel statistics: from the cache, else measured once and cached, under the
+    data lock so that the ranks and jobs sharing the folder measure it only once."""
+    if facts := read_stats_cache(root, listing.fingerprint):
+        return facts
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(data_lock(lock_dir or root))
+            problem = ""
+        except UsageError:  # a read-only folder still trains; it only cannot remember the statistics
+            problem = f"cannot write to {lock_dir or root}"
+        if not problem and (facts := read_stats_cache(root, listing.fingerprint)):
+            return facts  # another rank or job measured it while this one waited for the lock
+        shape = check_headers(listing)
+        if verbose:
+            where = "" if problem else f" (once: cached in {root / STATS_FILE})"
+            print(f"measuring the pixels of the {len(listing.train)} training images in {root}{where}", flush=True)
+        facts = FolderFacts(shape, *measure_pixels(FolderReader([path for path, _ in listing.train], shape)))
+        problem = problem or write_stats_cache(root, listing.fingerprint, facts)
+    if problem and verbose:
+        print(f"warning: cannot cache the pixel statistics in {root / STATS_FILE} ({problem}); every start measures "
+              "them anew", file=sys.stderr, flush=True)
+    return facts
+
+
+# ----------------------------------------------------------------------------- per-batch arithmetic
+
+def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool = False) -> torch.Tensor:
+    """uint8 [B, C, H, W] -> float [B, C, H, W], standardised per channel on the images' device.
+
+    Each channel is shifted and scaled by Python numbers, as the single-channel version
+    always was: dividing by a tensor instead would round differently on CUDA, which divides
+    by a CPU scalar as a multiplication by its reciprocal (div_true_kernel_cuda)."""
+    x = images.float()
+    for c, (m, s) in enumerate(zip(mean, std, strict=True)):
+        x[:, c].sub_(255 * m).div_(255 * s)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def shift_images(images: torch.Tensor, moves: torch.Tensor | None) -> torch.Tensor:
+    """uint8 [B, C, H, W] moved by [2, B] pixels (down, right) in {-1, 0, 1}, the uncovered edge black."""
+    if moves is None:
+        return images
+    b, _, h, w = images.shape
+    windows = F.pad(images, (1, 1, 1, 1)).unfold(2, h, 1).unfold(3, w, 1)  # [B, C, 3, 3, h, w], views of the padded batch
+    # The two index tensors around the slice put the batch dimension first: [B, C, h, w].
+    return windows[torch.arange(b, device=images.device), :, 1 - moves[0], 1 - moves[1]]

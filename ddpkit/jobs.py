@@ -1,0 +1,308 @@
+"""The job runner: one process's part of a training job from its first line to its exit
+code. It reads the launch environment and the options, sets up and tears down the process
+group, starts the run (its directory, the checkpoint to resume from, its log), and turns
+every way a run ends into an exit code and one line: done, stopped (requeue, or the
+command that continues), diverged, a lost peer, a problem the user fixes, a bug."""
+
+import contextlib
+import dataclasses
+import math
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from ddpkit.checkpoints import (
+    Progress,
+    agree_on_checkpoint,
+    remove_stale_temporaries,
+    resume_from,
+    run_is_done,
+    set_aside_checkpoints,
+)
+from ddpkit.distributed import Runtime, barrier, gather_to_all, init_distributed, teardown_distributed
+from ddpkit.launch import (
+    EXIT_BUG,
+    EXIT_DIVERGED,
+    EXIT_LOST_PEER,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    PROG,
+    AlreadyComplete,
+    Diverged,
+    Launch,
+    Stopped,
+    StopSignals,
+    UsageError,
+    read_launch_env,
+    record_exit,
+    unfixable_exit,
+)
+from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
+from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
+from ddpkit.rundir import RunClaim, claim_run_dir
+from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
+from ddpkit.training_run import TrainingRun
+
+SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
+
+
+def requeue_slurm_job(launch: Launch) -> bool:
+    """Ask Slurm to requeue this job, if it may; the job's processes die with this call.
+    Any failure (no scontrol, a timeout, a refusal) means 'not requeued', never a crash."""
+    if not launch.job_id or shutil.which("scontrol") is None:
+        return False
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True,
+                               timeout=SCONTROL_TIMEOUT)
+        if "Requeue=1" not in shown.stdout:
+            print(f"Slurm job {launch.job_id} may not be requeued (it was submitted without --requeue)", flush=True)
+            return False
+        print(f"requeueing Slurm job {launch.job_id}; it resumes from its last checkpoint", flush=True)
+        result = subprocess.run(["scontrol", "requeue", launch.job_id], capture_output=True, text=True,
+                                timeout=SCONTROL_TIMEOUT)
+    except (OSError, subprocess.SubprocessError) as err:
+        print(f"could not requeue Slurm job {launch.job_id} (scontrol: {err})", flush=True)
+        return False
+    if result.returncode != 0:
+        print(f"could not requeue Slurm job {launch.job_id} (scontrol requeue: {result.stderr.strip()})", flush=True)
+    return result.returncode == 0
+
+
+# What a command that continues a run leaves out: where the first one started from, the
+# testing aid (it would stop the run again at the same step), staging alone; and, under
+# run_training.sbatch, what the batch file passes itself (from LOG_DIR and RUN_NAME; it
+# refuses these options after its name). The data directories stay: an option given after
+# the batch file's name wins over DATA_DIR.
+NOT_CONTINUED = ("resume", "interrupt_at", "download_only")
+SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
+
+
+def continue_command(recipe, options: RunOptions, launch: Launch, run_dir: Path, **changes: str) -> str:
+    """The one builder of every command printed to carry this run on from its newest
+    checkpoint: "to continue", "to train it longer", the advice after divergence, and
+    the line run_training.sbatch prints after END. It is built from the run's options
+    (not from the words typed, which may abbreviate them), naming the run's directory,
+    without the NOT_CONTINUED ones, and with `changes` ({"lr": "0.001", "allow_changes":
+    ""}) at the end. Under run_training.sbatch it is the sbatch line that resubmits the
+    job: the batch file passes its beginning (the directory, its variables, the job's
+    request, itself) in MNIST_DDP_RESUBMIT."""
+    leave_out = NOT_CONTINUED + tuple(changes)
+    resubmit = os.environ.get("MNIST_DDP_RESUBMIT", "")
+    if resubmit:
+        args = option_args(recipe, options, leave_out=leave_out + SET_BY_BATCH_FILE)
+        command = resubmit
+    else:
+        args = option_args(recipe, options, leave_out=leave_out)
+        if not (options.run_name or options.run_dir):
+            args += ["--run-name", run_dir.name] if run_dir.parent == Path(options.log_dir) else ["--run-dir", str(run_dir)]
+        script = sys.argv[0] if sys.argv[0].endswith(".py") else PROG
+        command = f"{launcher_words(launch)} {shlex.quote(script)}"
+    for name, value in changes.items():
+        args += [flag(name)] + ([value] if value != "" else [])
+    return f"{command} {shlex.join(args)}".rstrip()
+
+
+def launcher_words(launch: Launch) -> str:
+    """How this process was started, as a command that starts the same ranks again."""
+    if launch.source == "torchrun":
+        if launch.nodes == 1:
+            return f"torchrun --standalone --nproc-per-node={launch.local_world_size}"
+        return f"torchrun [the torchrun options you gave, on each of the {launch.nodes} nodes]"
+    if launch.source == "slurm":
+        return f"srun --nodes={launch.nodes} --ntasks={launch.world_size} python"
+    return "python"
+
+
+
+def record_continue_command(launch: Launch, command: str) -> None:
+    """Under run_training.sbatch, leave the command that continues this run where the batch
+    file prints it after its END line, even when every rank was killed."""
+    if launch.exit_dir and os.environ.get("MNIST_DDP_RESUBMIT"):
+        Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+        Path(launch.exit_dir, "continue-command").write_text(command + "\n")
+
+
+@dataclasses.dataclass
+class Job:
+    """This process's part of the job: the options, where it stands in the job, the process
+    group; once start_run has run, the run's directory, its claim, its log and the run."""
+    recipe: object
+    options: RunOptions
+    launch: Launch
+    rt: Runtime
+    stop: StopSignals
+    who: str = ""
+    run_dir: Path | None = None
+    claim: RunClaim | None = None
+    logger: object = dataclasses.field(default_factory=NullLogger)
+    run: TrainingRun | None = None
+    on_divergence: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def continue_command(self, **changes: str) -> str:
+        return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
+
+    def start_run(self, state: Mapping[str, object], *, images_per_rank: int, batch_size: int, epochs: int,
+                  max_steps: int, hparams: HParams, classes: tuple[str, ...],
+                  on_divergence: Mapping[str, str]) -> TrainingRun:
+        """Claim the run's directory, resume from its newest checkpoint (into `state`: the
+        recipe's model, optimizer, ... by name) and start its log. `epochs` and `max_steps`
+        are the recipe's --epochs and --max-steps; `on_divergence` the options that the
+        advice after a divergence changes (e.g. {"lr": "0.001"}). Raises AlreadyComplete
+        when the run has nothing left to do."""
+        recipe, options, launch, rt = self.recipe, self.options, self.launch, self.rt
+        self.on_divergence = on_divergence
+        self.run_dir, self.claim = claim_run_dir(options, launch, rt)
+        run_dir = self.run_dir
+        if self.claim:  # holding the directory: no other run's save can be under way in it
+            for path in remove_stale_temporaries(run_dir):
+                print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
+        steps_per_epoch = math.ceil(images_per_rank / batch_size)
+        ckpt_path, changed = agree_on_checkpoint(options.resume, options.allow_changes, dataclasses.asdict(recipe),
+                                                 changeable(type(recipe)), rt, run_dir)
+        progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
+        if ckpt_path:
+            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps)
+        if progress.finished and run_is_done(progress, epochs, max_steps):
+            longer = {"epochs": str(epochs + 4)} if progress.epoch > epochs else {}
+            if max_steps and progress.step >= max_steps:
+                longer["max_steps"] = "0"  # the cap ended it: lift the cap
+            raise AlreadyComplete(
+                f"run {run_dir} is already complete (epoch {progress.last_record.get('epoch', progress.epoch - 1)}, "
+                f"step {progress.step}); to train it longer: {self.continue_command(**longer, allow_changes='')}")
+        progress.finished = False
+        # The learning-rate schedule runs in this world size's steps; the step count goes on
+        # from the checkpoint's, which another world size may have counted differently.
+        schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
+        total_steps = epochs * steps_per_epoch
+        if max_steps:
+            total_steps = min(total_steps, max_steps - schedule_offset)
+
+        starts = gather_to_all((socket.gethostname(), launch.attempt), "sharing the host names")
+        hosts = [host for host, _ in starts]
+        # torchrun's agents count their restarts each on their own: the highest is the job's.
+        self.launch = launch = dataclasses.replace(launch, attempt=max((a for _, a in starts),
+                                                                       key=lambda a: int(a.split("/")[0])))
+        # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
+        # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
+        here = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
+        save_here = bool(ckpt_path) and Path(ckpt_path).resolve() != here.resolve()
+        saved_options = {**dataclasses.asdict(recipe), **dataclasses.asdict(options)}
+        if rt.is_main:
+            # Every rank has read its checkpoint by now (the gather above comes after).
+            later = set_aside_checkpoints(run_dir, progress.step, keep=ckpt_path)
+            if later:
+                print(f"warning: set aside {len(later)} checkpoint(s) numbered from step {progress.step} on, which this run "
+                      f"no longer continues, in {run_dir / 'checkpoints' / 'superseded'}", file=sys.stderr, flush=True)
+            note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
+            self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(rt, launch, hosts),
+                                    progress.step, classes, options.log_every, options.progress_every, note=note)
+            record_continue_command(launch, self.continue_command())
+        cpus, threads = usable_cpus(), torch.get_num_threads()
+        print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
+              f"{images_per_rank} images, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs", flush=True)
+        if threads > cpus:
+            print(f"warning{self.who}: {threads} threads share {cpus} CPUs, which slows every step; under Slurm export "
+                  "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (run_training.sbatch does), or set OMP_NUM_THREADS", flush=True)
+        if rt.is_main:
+            print(f"global batch {batch_size * rt.world_size} ({rt.world_size} x {batch_size}), "
+                  f"{total_steps + schedule_offset} steps in all", flush=True)
+            if ckpt_path:
+                print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
+                      f"requeued {launch.requeues}x)", flush=True)
+        self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, progress, loss_sums, epochs,
+                               max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger)
+        if save_here:
+            self.run.checkpoint()
+            if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
+                set_aside_checkpoints(run_dir, progress.step + 1)
+        self.stop.training = True  # from now on Ctrl-C saves first
+        return self.run
+
+    def stop_here(self, path: Path) -> int:
+        """A stop was agreed on and `path` saved: requeue the Slurm job, or say how to continue."""
+        rt, stop = self.rt, self.stop
+        if rt.is_main:
+            why = signal.Signals(stop.received).name if stop.received else "another rank's signal"
+            print(f"stopping on {why} at step {self.run.progress.step}: saved {path}", flush=True)
+        barrier("the barrier before stopping")  # the checkpoint is complete before anyone can be killed
+        # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
+        # ends every process here.
+        if rt.is_main and (stop.received == signal.SIGINT or not requeue_slurm_job(self.launch)):
+            print(f"to continue: {self.continue_command()}", flush=True)
+        barrier("the barrier before stopping")
+        return EXIT_STOPPED
+
+    def divergence_advice(self, err: Diverged) -> str:
+        lower = self.continue_command(**self.on_divergence, allow_changes="")
+        if self.rt.is_main:
+            record_continue_command(self.launch, lower)
+        return (f"{err}; nothing from this step on was saved. Resume from the last checkpoint with a lower learning "
+                f"rate: {lower}")
+
+
+def fail(err: Exception | str, code: int = EXIT_USAGE, who: str = "") -> int:
+    print(f"{PROG}{who}: error: {err}", file=sys.stderr, flush=True)
+    return code
+
+
+def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, manual: str = "",
+            stop: StopSignals | None = None) -> int:
+    """Run `body` (the recipe's part: data, model, loop) as this process's part of the job
+    and return the exit code; every ending is one line and a code (see the manual)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    stop, who = stop or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
+    code, launch, options, job = EXIT_BUG, None, None, None
+    try:
+        launch = read_launch_env(os.environ)
+        who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
+        recipe, options = parse_options(recipe_class, argv, manual)
+        earlier, rank_file = unfixable_exit(launch)
+        if earlier:
+            print(f"{PROG}{who}: not training again: an earlier attempt ended with exit code {earlier} ({rank_file}), "
+                  "which a restart does not fix; see its error above", file=sys.stderr, flush=True)
+            code = earlier
+            return code
+        job = Job(recipe, options, launch, init_distributed(options, launch), stop, who)
+        try:
+            body(job)
+            code = 0
+        except AlreadyComplete as done:
+            if job.rt.is_main:
+                print(done, flush=True)
+            code = 0
+        except Stopped as stopped:  # (inside: a peer lost while stopping is a lost peer)
+            code = job.stop_here(Path(str(stopped)))
+    except UsageError as err:
+        code = fail(err, who=who)
+    except Diverged as err:
+        code = fail(job.divergence_advice(err), EXIT_DIVERGED, who)
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        code = fail("interrupted (Ctrl-C) before training started; nothing was saved", 128 + signal.SIGINT, who)
+    except Exception as err:
+        if is_lost_peer(err):
+            code = fail(lost_peer_message(err, job.run.progress if job and job.run else Progress()), EXIT_LOST_PEER, who)
+        elif problem := storage_problem(err, options):
+            code = fail(problem, who=who)
+        else:
+            traceback.print_exc()
+            code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",
+                        EXIT_BUG, who)
+    finally:
+        record_exit(code, launch)  # first: after a failure, srun may end this process any moment now
+        if job:
+            with contextlib.suppress(OSError):  # a full disk: the one line above says so already
+                job.logger.close()
+            if job.claim:
+                job.claim.release(code)
+        teardown_distributed()
+        stop.restore()
+    return code

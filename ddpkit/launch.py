@@ -1,0 +1,247 @@
+"""The launch environment: who this process is in the job (torchrun, Slurm's srun, or one
+process), the stop signals, and the exit codes and exit files the launchers read.
+
+Standard library only, so that mnist_ddp.py can import it, and catch a stop signal, before
+torch has loaded (which takes seconds on shared storage)."""
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PROG = "mnist_ddp.py"
+EXIT_BUG = 1
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_LOST_PEER = 4  # another rank died or hung: the one failure that running again fixes
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
+NOT_RETRIED = (EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED)  # a restart repeats them, or they asked to stop
+
+
+class UsageError(Exception):
+    """A problem the user can fix: printed as one line on stderr, exit code 2."""
+
+
+class Diverged(Exception):
+    """The loss stopped being finite: printed as one line, exit code 3, nothing saved."""
+
+
+class Stopped(Exception):
+    """A stop signal was agreed on and a checkpoint saved (its path is the argument): the
+    job runner requeues the job or says how to continue, and exits 75."""
+
+
+class AlreadyComplete(Exception):
+    """The run had nothing left to do (its message says how to train it longer): exit 0."""
+
+
+class StopSignals:
+    """SIGUSR1 (Slurm's --signal), SIGTERM (preemption, time limit, torchrun) and, once
+    training runs, SIGINT (Ctrl-C, which torchrun passes on to its workers) only set a flag
+    here; the training loop acts on it at the next step boundary, where every rank agrees,
+    rank 0 saves and (on USR1 or TERM) the job requeues itself. Saving inside a handler
+    could interrupt a half-written file or a collective. A Ctrl-C pressed again while that
+    save is a step away changes nothing (torchrun passes a second one on as SIGTERM, and
+    kills workers still saving after 30 s). Before training starts there is nothing to
+    save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a rendezvous or a
+    download. A SIGINT that the parent set to be ignored stays ignored."""
+
+    def __init__(self):
+        self.received, self.training = 0, False
+        signals = [signal.SIGUSR1, signal.SIGTERM]
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signals.append(signal.SIGINT)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
+
+    def handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and not self.training:
+            raise KeyboardInterrupt
+        # The first one says why: a Ctrl-C stays a Ctrl-C, which asks for no requeue.
+        self.received = self.received or signum
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# A stop signal may come while torch is still being imported or while ranks wait for each
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is in the job, as the launcher said (nothing initialised yet)."""
+    source: str             # "torchrun", "slurm" or "single"
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    job_id: str             # Slurm job id ("123" or "123_4" for an array task), "" outside Slurm
+    num_threads: int        # CPU threads for this rank; 0 = leave torch's default
+    local_world_size: int = 1   # ranks on this node
+    gpus_granted: str = ""      # the variable that says this job was given GPUs, e.g. "SLURM_JOB_GPUS=0,1"
+    gpu_per_task: bool = False  # srun --gpus-per-task: Slurm shows each task only its own GPU(s)
+    attempt: str = "1/1"        # "k/N": the k-th start of this job step out of at most N (restarts after failures)
+    restarts_left: int = 0      # how often torchrun's agent would still restart this worker if it failed
+    exit_dir: str = ""          # where each rank records its exit code as rank-<r> (run_training.sbatch reads them)
+    requeues: int = 0           # how often Slurm has requeued this job (SLURM_RESTART_COUNT)
+    nodes: int = 1              # machines the ranks run on
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand Slurm's compressed host list: 'node[01-03,07],gpu3' -> node01 node02 node03 node07 gpu3."""
+    hosts: list[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        expanded = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            choices = [text]
+            if ranges:
+                choices = []
+                for part in ranges.split(","):
+                    low, dash, high = part.partition("-")
+                    if not low.isdigit() or (dash and not high.isdigit()):
+                        raise UsageError(f"cannot parse Slurm host list {hostlist!r}")
+                    for n in range(int(low), int(high or low) + 1):
+                        choices.append(text + str(n).zfill(len(low)))
+            expanded = [prefix + choice for prefix in expanded for choice in choices]
+        hosts.extend(expanded)
+    if not hosts:
+        raise UsageError(f"cannot parse Slurm host list {hostlist!r}")
+    return hosts
+
+
+def port_from_job_id(job_id: str) -> int:
+    """A port every task of a job derives alike, different for jobs sharing a node.
+
+    10000-29999 stays below Linux's ephemeral range (32768-60999), so an outgoing
+    connection cannot already hold it. run_training.sbatch applies the same rule."""
+    return 10000 + int(job_id or 0) % 20000
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """This node's entry of Slurm's compressed task counts: '2(x3),1' is 2, 2, 2, 1."""
+    counts: list[int] = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(repeat or 1)
+    return counts[node_id] if node_id < len(counts) else 0
+
+
+def gpus_granted(env: Mapping[str, str]) -> str:
+    """Which variable says that GPUs were given to this job ("" if none does)."""
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES"):
+        value = env.get(name, "").strip()
+        if name == "SLURM_GPUS_ON_NODE":  # a count; the others list devices, where 0 is the first GPU
+            given = value.isdigit() and int(value) > 0
+        else:
+            given = value not in ("", "-1", "NoDevFiles")
+        if given:
+            return f"{name}={value}"
+    return ""
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise UsageError(f"{name}={env[name]!r} is not an integer; unset it or fix the launcher") from None
+
+
+def read_launch_env(env: Mapping[str, str]) -> Launch:
+    """The one place that reads the launcher's variables: torchrun, then Slurm, then one process."""
+    job_id = env.get("SLURM_JOB_ID", "")
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    # torchrun and srun set OMP_NUM_THREADS as they see fit; torch honours it. Otherwise use
+    # the CPUs Slurm gave this task, so that tasks sharing a node do not fight over cores.
+    num_threads = 0 if "OMP_NUM_THREADS" in env else int(env.get("SLURM_CPUS_PER_TASK", "0") or 0)
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        missing = [v for v in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+        if missing:
+            raise UsageError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} not; launch with torchrun, or unset RANK/WORLD_SIZE")
+        local_world = _int_var(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _int_var(env, "LOCAL_RANK") + 1
+        launch = Launch("torchrun", _int_var(env, "RANK"), _int_var(env, "LOCAL_RANK"), _int_var(env, "WORLD_SIZE"),
+                        env["MASTER_ADDR"], _int_var(env, "MASTER_PORT"), job_id, num_threads, local_world)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        ntasks = _int_var(env, "SLURM_NTASKS")
+        if not env.get("SLURM_JOB_ID", "0").isdigit():
+            raise UsageError(f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r} is not a job id; unset it or set MASTER_PORT")
+        if ntasks > 1 and "SLURM_STEP_ID" not in env:
+            raise UsageError(f"SLURM_NTASKS={ntasks} but this process was not started by srun, so it would train alone. "
+                             "HINT: run it as `srun python mnist_ddp.py ...` (run_training.sbatch does), or ask for --ntasks=1")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        if not nodelist and ntasks > 1:
+            raise UsageError("SLURM_JOB_NODELIST is not set, so the first host is unknown; set MASTER_ADDR")
+        master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
+        master_port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else port_from_job_id(env.get("SLURM_JOB_ID", ""))
+        local_rank = _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+        local_world = tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0") or 0)) if per_node else ntasks
+        launch = Launch("slurm", _int_var(env, "SLURM_PROCID"), local_rank, ntasks, master_addr, master_port, job_id,
+                        num_threads, max(local_world, local_rank + 1), gpu_per_task=bool(env.get("SLURM_GPUS_PER_TASK")))
+    else:
+        launch = Launch("single", 0, 0, 1, "127.0.0.1", 0, job_id, num_threads)
+    # Restarts: run_training.sbatch numbers its attempts (srun mode); torchrun counts its own.
+    attempt = env.get("MNIST_DDP_ATTEMPT", "1/1")
+    if launch.source == "torchrun" and "TORCHELASTIC_MAX_RESTARTS" in env:
+        done, most = _int_var(env, "TORCHELASTIC_RESTART_COUNT"), _int_var(env, "TORCHELASTIC_MAX_RESTARTS")
+        attempt = f"{done + 1}/{most + 1}"
+        launch = dataclasses.replace(launch, restarts_left=most - done)
+    if not re.fullmatch(r"[1-9]\d*/[1-9]\d*", attempt):
+        raise UsageError(f"MNIST_DDP_ATTEMPT={attempt!r} is not k/N; unset it")
+    launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env), attempt=attempt,
+                                 exit_dir=env.get("MNIST_DDP_EXIT_DIR", ""),
+                                 requeues=_int_var(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0)
+    if launch.source == "torchrun":
+        launch = dataclasses.replace(launch, nodes=max(1, launch.world_size // launch.local_world_size))
+    elif launch.source == "slurm":
+        nodes = next((name for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES") if name in env), "")
+        launch = dataclasses.replace(launch, nodes=_int_var(env, nodes) if nodes else 1)
+
+    if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size or not 0 <= launch.local_rank <= launch.rank:
+        raise UsageError(f"ranks do not add up ({launch.source}: rank {launch.rank}, local rank {launch.local_rank}, "
+                         f"world size {launch.world_size}); HINT: start one task per rank, e.g. srun --ntasks-per-node=N")
+    if not 0 < launch.master_port < 65536 and launch.world_size > 1:
+        raise UsageError(f"master port {launch.master_port} is not a TCP port; set MASTER_PORT to 1024-65535")
+    return launch
+
+
+
+def record_exit(code: int, launch: Launch | None) -> None:
+    """Leave this rank's exit code where run_training.sbatch reads it: it restarts after
+    a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
+    if launch and launch.exit_dir:
+        with contextlib.suppress(OSError):
+            Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+            Path(launch.exit_dir, f"rank-{launch.rank}").write_text(f"{code}\n")
+
+
+def unfixable_exit(launch: Launch) -> tuple[int, str]:
+    """(code, rank file) of an earlier attempt of this step that a restart cannot fix, or (0, "").
+
+    torchrun restarts every worker when one fails. When one rank hit a bug (1) or a usage
+    error (2) and the others lost it, the restarted workers find its code here and end
+    at once instead of repeating it."""
+    if not launch.exit_dir or launch.attempt.startswith("1/"):
+        return 0, ""
+    for path in sorted(Path(launch.exit_dir).glob("rank-*")):
+        with contextlib.suppress(OSError, ValueError):
+            if (code := int(path.read_text())) in NOT_RETRIED:
+                return code, path.name
+    return 0, ""
+
+
+def exit_status(code: int) -> int:
+    """The process's exit status for its launcher. torchrun restarts every worker group in
+    which a worker exited non-zero, whatever the code; so while it would restart, a code
+    that a restart cannot fix goes to the exit file only and the worker exits 0. Users of
+    torchrun without run_training.sbatch (no MNIST_DDP_EXIT_DIR) get the code itself."""
+    with contextlib.suppress(UsageError):
+        launch = read_launch_env(os.environ)
+        if launch.exit_dir and launch.restarts_left > 0 and code in NOT_RETRIED:
+            return 0
+    return code

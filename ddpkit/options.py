@@ -1,0 +1,186 @@
+"""Options: RunOptions, the machinery's options (data directories, devices, output,
+checkpoints), and the command line, built from them and from the recipe's own dataclass
+(mnist_ddp.py's Recipe) in argparse groups.
+
+Every field carries its help, and its "group" in --help, in its metadata. A recipe field
+marked "changeable" may differ from a checkpoint's with --allow-changes; every other recipe
+field sets the course of training, so a checkpoint resumes only a run with the same value."""
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpkit.launch import PROG, UsageError
+
+DATA_FEEDS = ("auto", "memory", "stream")
+
+
+def option(default, help: str, group: str, **metadata):
+    return field(default=default, metadata={"help": help, "group": group, **metadata})
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    # data
+    data_dir: str = option("data", "data directory, on shared storage for multi-node jobs; MNIST-like data sets go to "
+                           "DATA_DIR/<Name>/raw, --dataset folder reads DATA_DIR/train/<class>/* and DATA_DIR/test/<class>/*",
+                           "data")
+    node_data_dir: str = option("", "node-local directory ($TMPDIR, /scratch/$USER, ...; $VARS expand on each node): the "
+                                "first rank of each node copies the data there from --data-dir, and every rank reads it "
+                                "from there", "data")
+    data_mirror: str = option("", "base URL (http://, https:// or file://) that replaces torchvision's download mirrors",
+                              "data")
+    download_only: bool = option(False, "stage the data set into --data-dir and exit (run it once on a login node)", "data")
+    data_feed: str = option("auto", "memory: hold each split in memory as one uint8 tensor (fastest); stream: read the "
+                            "batches with a DataLoader; auto: memory when it fits", "data", choices=DATA_FEEDS)
+    data_workers: int = option(2, "DataLoader worker processes per rank when the data is streamed", "data")
+    # distributed
+    backend: str = option("auto", "auto: nccl on CUDA, else gloo", "distributed", choices=("auto", "gloo", "nccl"))
+    device: str = option("auto", "auto: cuda when available", "distributed", choices=("auto", "cpu", "cuda"))
+    dist_timeout: float = option(300.0, "seconds a collective may wait for a missing rank before the job fails",
+                                 "distributed")
+    # speed (for GPUs; they run on CPUs too, where they rarely help)
+    amp: bool = option(False, "bfloat16 autocast for forward passes", "speed")
+    channels_last: bool = option(False, "channels-last memory layout for convolutions", "speed")
+    compile: bool = option(False, "torch.compile the model (slow first steps; needs a C++ compiler on CPUs)", "speed")
+    # output
+    log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
+    run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "
+                           "its newest checkpoint (default: job-<SLURM_JOB_ID>, else a timestamp)", "output")
+    run_dir: str = option("", "the run's directory as a path, instead of LOG_DIR/RUN_NAME", "output")
+    log_every: int = option(50, "log the training loss to TensorBoard every N steps", "output")
+    progress_every: float = option(60.0, "when the output is not a terminal (batch jobs), print a progress line every N "
+                                   "seconds (0: never)", "output")
+    image_every: int = option(1, "log test images with their predictions and a confusion matrix every N epochs (0: never)",
+                              "output")
+    # checkpoints and preemption
+    resume: str = option("auto", "auto: continue from the newest valid checkpoint in RUN_DIR/checkpoints; never: start "
+                         "afresh; or a checkpoint file", "checkpoints and preemption")
+    ckpt_every: int = option(500, "checkpoint every N steps as well as at each epoch end (0: epoch ends only)",
+                             "checkpoints and preemption")
+    ckpt_minutes: float = option(10.0, "checkpoint as well when M minutes have passed since the last one, so a slow step "
+                                 "cannot lose hours (0: never)", "checkpoints and preemption")
+    keep_ckpts: int = option(3, "how many of the newest checkpoints to keep", "checkpoints and preemption")
+    allow_changes: bool = option(False, "resume even though {changeable} differ from the checkpoint's (to train longer, "
+                                 "or on with a lower --lr); the change is logged", "checkpoints and preemption")
+    interrupt_at: str = option("", "testing aid: rank 0 sends itself a signal after step N, as N:USR1 or N:TERM (the run "
+                               "stops after step N+1, or at N on a checkpoint step)", "checkpoints and preemption")
+
+
+# Every collective waits this long for the other ranks. Below 10 s, ranks that start a few
+# seconds apart (srun across nodes, torch imported from shared storage) or wait for rank 0
+# to stage the data or write a checkpoint count as dead (exit 4), and run_training.sbatch
+# restarts them again and again. Above a week a hang is not worth waiting for (time limits
+# end jobs sooner), and far larger values overflow timedelta and Gloo's clock.
+DIST_TIMEOUT_RANGE = (10.0, 7 * 24 * 3600.0)
+
+
+def need(ok: bool, message: str) -> None:
+    """The check of an option: a UsageError (one line, exit code 2) unless `ok`."""
+    if not ok:
+        raise UsageError(message)
+
+
+def check_run_options(c: RunOptions) -> None:
+    need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
+    low, high = DIST_TIMEOUT_RANGE
+    need(low <= c.dist_timeout <= high,
+         f"--dist-timeout must be from {low:g} to {high:g} seconds (a week), got {c.dist_timeout:g}")
+    need(c.data_workers >= 0, f"--data-workers must be 0 (read in the training process) or more, got {c.data_workers}")
+    need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
+    need(math.isfinite(c.progress_every) and c.progress_every >= 0,
+         f"--progress-every must be 0 (never) or a number of seconds, got {c.progress_every}")
+    need(not c.run_name or (re.fullmatch(r"[\w.+=,@-]+", c.run_name) is not None and c.run_name not in (".", "..")),
+         f"--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces), got {c.run_name!r}")
+    need(not (c.run_name and c.run_dir), "pass --run-name or --run-dir, not both")
+    need(c.image_every >= 0, f"--image-every must be 0 (never) or more, got {c.image_every}")
+    need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
+    need(math.isfinite(c.ckpt_minutes) and c.ckpt_minutes >= 0,
+         f"--ckpt-minutes must be 0 (never) or a number of minutes, got {c.ckpt_minutes}")
+    need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
+    need(c.resume in ("auto", "never") or os.path.isfile(c.resume),  # (False, not an error, for a name too long)
+         f"--resume {c.resume}: no such checkpoint file; pass auto, never or an existing file")
+    need(not c.interrupt_at or re.fullmatch(r"[1-9]\d*:(USR1|TERM)", c.interrupt_at) is not None,
+         f"--interrupt-at must look like 120:USR1 or 120:TERM, got {c.interrupt_at!r}")
+    need(not c.data_mirror or re.match(r"^(https?|file)://", c.data_mirror) is not None,
+         f"--data-mirror must be an http://, https:// or file:// URL, got {c.data_mirror!r}")
+    need(c.backend != "nccl" or c.device != "cpu", "--backend nccl needs --device cuda (or auto); use --backend gloo for CPUs")
+    data_dir = Path(c.data_dir)
+    need(not data_dir.exists() or data_dir.is_dir(), f"--data-dir {data_dir} is not a directory")
+    need(not data_dir.exists() or os.access(data_dir, os.R_OK | os.X_OK),
+         f"--data-dir {data_dir} is not readable; fix its permissions or pass another --data-dir")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message} (see --help)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The whole docstring as written (launch commands, exit codes), and defaults unless empty."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in ("", None) else super()._get_help_string(action)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def changeable(recipe_class: type) -> tuple[str, ...]:
+    """The recipe's options that --allow-changes lets differ from a checkpoint's."""
+    return tuple(f.name for f in dataclasses.fields(recipe_class) if f.metadata.get("changeable"))
+
+
+def build_parser(recipe_class: type, manual: str = "") -> argparse.ArgumentParser:
+    """The CLI of the recipe's options and RunOptions: one kebab-case flag per field, in the
+    groups their metadata names, the default shown in --help."""
+    parser = OneLineErrorParser(prog=PROG, description=manual, formatter_class=HelpFormatter)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    recipe_fields, run_fields = dataclasses.fields(recipe_class), dataclasses.fields(RunOptions)
+    clash = {f.name for f in recipe_fields} & {f.name for f in run_fields}
+    assert not clash, f"recipe options that RunOptions has too: {clash}"
+    allowed = ", ".join(flag(name) for name in changeable(recipe_class)) or "(none)"
+    for f in (*recipe_fields, *run_fields):
+        group_name = f.metadata.get("group", "options")
+        group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
+        help = f.metadata["help"].replace("{changeable}", allowed)
+        if f.type in (bool, "bool"):
+            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            group.add_argument(flag(f.name), type=kind, default=f.default, choices=f.metadata.get("choices"), help=help,
+                               metavar=f.name.upper() if "choices" not in f.metadata else None)
+    return parser
+
+
+def parse_options(recipe_class: type, argv: list[str], manual: str = ""):
+    """(recipe options, RunOptions) from the command line, each checked: the recipe's by its
+    own check() method."""
+    given = vars(build_parser(recipe_class, manual).parse_args(argv))
+    names = {f.name for f in dataclasses.fields(recipe_class)}
+    recipe = recipe_class(**{k: v for k, v in given.items() if k in names})
+    run = RunOptions(**{k: v for k, v in given.items() if k not in names})
+    if hasattr(recipe, "check"):
+        recipe.check()
+    check_run_options(run)
+    return recipe, run
+
+
+def option_args(*options, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """The options (dataclass instances) that differ from their defaults, as command-line arguments."""
+    args = []
+    for instance in options:
+        for f in dataclasses.fields(instance):
+            value = getattr(instance, f.name)
+            if f.name in leave_out or value == f.default:
+                continue
+            if isinstance(value, bool):
+                args.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
+            else:
+                args += [flag(f.name), repr(value) if isinstance(value, float) else str(value)]
+    return args

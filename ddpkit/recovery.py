@@ -1,0 +1,146 @@
+"""Agreement and recovery: what the ranks agree on after each step (a stop signal, a loss
+that is not finite, a checkpoint due by the clock), and how a failure is told apart and
+named: a lost peer (exit 4, which a restart fixes), a storage problem the user fixes (exit 2)."""
+
+import errno
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.checkpoints import Progress
+from ddpkit.distributed import Runtime, collective, collective_of
+from ddpkit.launch import StopSignals
+from ddpkit.options import RunOptions
+
+
+class CheckpointClock:
+    """Says when --ckpt-minutes have passed since the last checkpoint (the clock is a
+    parameter so that tests can move time)."""
+
+    def __init__(self, minutes: float, clock=time.monotonic):
+        self.seconds, self.clock = minutes * 60, clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and self.clock() - self.last >= self.seconds
+
+    def reset(self) -> None:
+        self.last = self.clock()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed on about one step: some rank got a stop signal, some rank's
+    loss is not finite, some rank's clock says a checkpoint is due."""
+    stopping: bool = False
+    diverged: bool = False
+    ckpt_due: bool = False
+
+
+@dataclass(frozen=True)
+class PendingAgreement:
+    """An agreement under way: the all-reduce of the flags (None when it is already waited
+    for, or there is one process), the flags it reduces in place (on a GPU, their pinned
+    host copy), and the CUDA event after which that copy holds the result (None on a CPU)."""
+    work: object | None
+    flags: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
+AGREEMENT = "the per-step agreement (stop, divergence, checkpoint time)"
+
+
+def start_agreement(stop: StopSignals, loss: torch.Tensor, clock: CheckpointClock, rt: Runtime) -> PendingAgreement:
+    """Start this step's agreement: one small all-reduce of every rank's flags, which runs
+    while the next step computes; read_agreement reads it one step later. Reading it at
+    once would make the host wait for the step to finish on a GPU (twice: the loss check
+    and the result), so the next step's kernels could not be queued behind it."""
+    host = torch.tensor([float(stop.received > 0), float(clock.due())])
+    on_gpu = rt.device.type == "cuda"
+    flags = torch.cat([(host.pin_memory() if on_gpu else host).to(rt.device, non_blocking=True),
+                       (~torch.isfinite(loss.detach())).float().view(1)])
+    with collective(AGREEMENT):
+        work = dist.all_reduce(flags, async_op=True) if dist.is_initialized() else None
+        if not on_gpu:
+            return PendingAgreement(work, flags, None)
+        if work is not None:
+            work.wait()  # on a GPU: the stream waits for the reduction, the host does not
+    result = torch.empty(3, pin_memory=True)
+    result.copy_(flags, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return PendingAgreement(None, result, copied)
+
+
+def read_agreement(pending: PendingAgreement) -> Verdict:
+    """The verdict of a started agreement, waiting for it if need be (by the next step's end
+    it has long arrived)."""
+    with collective(AGREEMENT):
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.copied is not None:
+            pending.copied.synchronize()
+    stopping, ckpt_due, diverged = pending.flags.tolist()
+    return Verdict(stopping > 0, diverged > 0, ckpt_due > 0)
+
+
+def is_lost_peer(err: BaseException) -> bool:
+    """A collective failed because another rank is gone or hung: c10d's own errors (NCCL,
+    the store), or Gloo's, which arrive as a RuntimeError that says what the socket saw."""
+    if isinstance(err, dist.DistError):
+        return True
+    # Gloo's words for it vary with where the wait was: "Timed out waiting 20000ms for recv",
+    # "Application timeout caused pair closure", "Connection closed by peer", ...
+    return isinstance(err, RuntimeError) and re.search(
+        r"connection (closed|reset) by peer|timed out|timeout caused|broken pipe|connection refused|gloo/transport",
+        str(err), re.IGNORECASE) is not None
+
+
+def lost_peer_message(err: BaseException, progress: Progress) -> str:
+    where = collective_of(err)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # drop Gloo's source path
+    return (f"lost contact with another rank during {where} at step {progress.step} (epoch {progress.epoch}): a peer "
+            f"probably died or hung ({detail[:200]}). Nothing saved is lost: run_training.sbatch restarts from the newest "
+            "checkpoint by itself; elsewhere run the same command again")
+
+
+# Errors of the run's own files that the user fixes, not the code, and what to do about each.
+STORAGE_FIXES = {
+    errno.ENOSPC: "free space there or pass another --log-dir/--run-dir",
+    errno.EDQUOT: "free space there (the quota is full) or pass another --log-dir/--run-dir",
+    errno.EROFS: "pass a --log-dir/--run-dir on a writable file system",
+    errno.EACCES: "fix its permissions or pass another --log-dir/--run-dir",
+    errno.EPERM: "fix its permissions or pass another --log-dir/--run-dir",
+    errno.ENAMETOOLONG: "pass a shorter --log-dir/--run-dir/--run-name",
+    errno.ENOTDIR: "pass another --log-dir/--run-dir",  # a file where a directory goes
+    errno.EEXIST: "pass another --log-dir/--run-dir",   # (mkdir's word for the same)
+}
+
+
+def storage_problem(err: BaseException, options: RunOptions | None) -> str:
+    """The one line for an error in the log directory, the run directory or its checkpoints
+    that the user fixes (a full disk or quota, no permission, a read-only file system, a
+    file where a directory goes); "" for anything else, which stays a bug with a traceback."""
+    if not isinstance(err, OSError) or err.errno not in STORAGE_FIXES or options is None:
+        return ""
+    fix = STORAGE_FIXES[err.errno]
+    if not err.filename:
+        # A buffered write's error (TensorBoard's writer thread, a log line) names no file;
+        # a full disk is the user's to fix all the same.
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return ""
+        return f"cannot write the run's files under {options.run_dir or options.log_dir} ({err.strerror}); {fix}"
+    path = Path(os.fsdecode(err.filename))
+    roots = [options.log_dir] + ([options.run_dir] if options.run_dir else [])
+    if not any(Path(os.path.abspath(path)).is_relative_to(os.path.abspath(root)) for root in roots):
+        return ""
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p)), path)
+        return "" if blocker.is_dir() else f"{blocker} is not a directory; {fix}"
+    return f"cannot write {path} ({err.strerror}); {fix}"

@@ -1,0 +1,104 @@
+"""Run directories: choosing the run's directory (LOG_DIR/RUN_NAME, the Slurm job's, or a
+new one named by the time) and holding it for as long as the run lives, so that a second
+run of the same name stops with one line instead of writing into the first one's files."""
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import os
+import socket
+import time
+from pathlib import Path
+
+from ddpkit.distributed import Runtime, broadcast_from_main
+from ddpkit.launch import Launch, UsageError
+from ddpkit.options import RunOptions
+from ddpkit.recovery import storage_problem
+
+
+def choose_run_dir(config: RunOptions, launch: Launch) -> Path:
+    """Rank 0's choice of the run's directory: LOG_DIR/RUN_NAME; without a name, the Slurm
+    job id when there is one (a requeued job finds its own directory again), else a new
+    directory named by the time, created here so that runs started in the same second
+    each get their own."""
+    if config.run_dir:
+        return Path(config.run_dir)
+    if config.run_name:
+        return Path(config.log_dir, config.run_name)
+    if launch.job_id:
+        return Path(config.log_dir, f"job-{launch.job_id}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = Path(config.log_dir, stamp if n == 1 else f"{stamp}-{n}")
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
+class RunDirTaken(UsageError):
+    """Another run holds the run directory."""
+
+
+class RunClaim:
+    """Rank 0's hold on its run directory for as long as the run lives: an exclusive lock
+    on RUN_DIR/.claim. POSIX locks also work across NFS clients, and the kernel releases
+    them when the process dies, even by SIGKILL, so a restart or a requeue gets it again.
+    (On NFS, the lock of a node that was lost outright lasts until the server notices,
+    its lock recovery; the refusal names the holder.) A second run of the same name (a
+    resubmission while the first still runs) meets it and stops with one line, before it
+    reads a checkpoint that the first one is writing."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / ".claim", "a+")
+        try:
+            fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno == errno.ENOLCK:
+                self.file.close()
+                raise UsageError(f"cannot lock {run_dir / '.claim'}: its file system offers no locks (NFS without a lock "
+                                 "service); ask your admins, or pass a --log-dir on another file system") from None
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise RunDirTaken(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
+                              "--run-name to start a separate run") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self.file.flush()
+        (run_dir / "exit-code").unlink(missing_ok=True)  # written again when this attempt ends
+
+    def release(self, code: int) -> None:
+        """Record how this attempt ended, for run_training.sbatch, sweep.py summary and
+        whoever reads the directory, then let the next run in."""
+        with contextlib.suppress(OSError):
+            (self.run_dir / "exit-code").write_text(f"{code}\n")
+        self.file.close()
+
+
+def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime) -> tuple[Path, RunClaim | None]:
+    """Rank 0 chooses and claims the run's directory, and tells every rank which it is."""
+    claim, choice = None, ["", ""]
+    if rt.is_main:
+        try:
+            claim = RunClaim(choose_run_dir(config, launch))
+            choice = [str(claim.run_dir), ""]
+        except UsageError as err:
+            choice = ["", str(err)]
+            if isinstance(err, RunDirTaken) and launch.exit_dir:  # so the batch file leaves that run's files alone
+                Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+                Path(launch.exit_dir, "run-dir-taken").touch()
+        except OSError as err:  # a log directory that is a file, read-only or full
+            choice = ["", storage_problem(err, config)]
+            if not choice[1]:
+                raise
+    run_dir, error = broadcast_from_main(choice, "sharing the run directory's name")
+    if error:
+        raise UsageError(error if rt.is_main else "rank 0 cannot use the run directory; see its error")
+    return Path(run_dir), claim

@@ -1,0 +1,293 @@
+"""Run logging: rank 0's stdout lines, RUN_DIR/metrics.jsonl, run.json and TensorBoard
+events (scalars, pictures of test predictions and the confusion matrix, the HParams tab,
+the options and environment as text); a logger that does nothing on the other ranks."""
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torchvision
+from PIL import Image, ImageDraw
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+from torch.utils.tensorboard import SummaryWriter
+
+from ddpkit.checkpoints import TEMPORARY_SUFFIX
+from ddpkit.distributed import Runtime, all_reduce
+from ddpkit.launch import Launch
+
+
+def peak_rss_mb(rt: Runtime) -> float:
+    """The largest peak resident memory of any rank so far (Linux's VmHWM), in MB."""
+    peak = 0.0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+    figure = torch.tensor([peak], dtype=torch.float64, device=rt.device)
+    return all_reduce(figure, "the all-reduce of the memory figures", dist.ReduceOp.MAX).item()
+
+
+def gpu_figures(device: torch.device) -> dict:
+    """This rank's peak GPU memory in the epoch and the GPU's utilisation (needs pynvml)."""
+    if device.type != "cuda":
+        return {}
+    figures = {"gpu_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    try:
+        figures["gpu_utilization"] = float(torch.cuda.utilization(device))
+    except Exception:  # no NVML bindings installed: memory alone
+        pass
+    return figures
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (Slurm's binding, cgroups, taskset), not the node's count."""
+    return len(os.sched_getaffinity(0))
+
+
+def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
+    env = {
+        "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "launcher": launch.source, "world_size": rt.world_size, "backend": rt.backend, "device": str(rt.device),
+        "hosts": sorted(set(hosts)), "master": f"{launch.master_addr}:{launch.master_port}" if rt.world_size > 1 else "",
+        "slurm_job_id": launch.job_id, "cpu_threads_per_rank": torch.get_num_threads(), "cpus_rank_0": usable_cpus(),
+        "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""), "gpus_granted": launch.gpus_granted,
+        "attempt": launch.attempt, "slurm_requeues": launch.requeues,
+    }
+    if rt.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(rt.device)
+    return env
+
+
+def as_picture(image: torch.Tensor) -> Image.Image:
+    """uint8 [C, H, W] (C 1 or 3) as a PIL image."""
+    return Image.fromarray(image[0].numpy() if image.shape[0] == 1 else image.permute(1, 2, 0).numpy())
+
+
+def labelled_grid(images: torch.Tensor, pred: torch.Tensor, true: torch.Tensor, per_row: int = 8) -> np.ndarray:
+    """Test images (uint8 [k, C, H, W]), each 56 pixels wide and captioned 'prediction/truth'
+    as class indices (green if right, red if wrong; the TEXT tab's "classes" names them)."""
+    cell, caption = 56, 14
+    rows = max(1, math.ceil(len(images) / per_row))
+    sheet = Image.new("RGB", (per_row * cell, rows * (cell + caption)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (image, p, t) in enumerate(zip(images, pred.tolist(), true.tolist(), strict=True)):
+        x, y = (i % per_row) * cell, (i // per_row) * (cell + caption)
+        sheet.paste(as_picture(image).resize((cell, cell)), (x, y))
+        draw.text((x + 4, y + cell + 1), f"{p}/{t}", fill=(0, 140, 0) if p == t else (220, 0, 0))
+    return np.asarray(sheet)
+
+
+def confusion_picture(confusion: torch.Tensor, classes: tuple[str, ...]) -> np.ndarray:
+    """The confusion matrix as a heat map with counts: rows true class (named), columns
+    prediction (numbered). Cells shrink for many classes; counts show while they fit."""
+    n = len(classes)
+    cell = 40 if n <= 12 else max(8, 480 // n)
+    names = [name[:16] for name in classes]
+    left, top = 12 + 6 * max(len(f"{i} {name}") for i, name in enumerate(names)), 36
+    sheet = Image.new("RGB", (left + n * cell + 4, top + n * cell + 4), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((2, 2), "rows: true class, columns: prediction", fill="black")
+    share = confusion.double() / confusion.sum(1, keepdim=True).clamp(min=1)
+    for t in range(n):
+        draw.text((4, top + t * cell + (cell - 10) // 2), f"{t} {names[t]}", fill="black")
+        if cell >= 20:
+            draw.text((left + t * cell + cell // 2 - 3 * len(str(t)), top - 14), str(t), fill="black")
+        for p in range(n):
+            shade = int(255 * (1 - share[t, p].item()))
+            box = (left + p * cell, top + t * cell, left + (p + 1) * cell - 1, top + (t + 1) * cell - 1)
+            draw.rectangle(box, fill=(shade, shade, 255) if t == p else (255, shade, shade))
+            if cell >= 28:
+                draw.text((box[0] + 6, box[1] + cell // 2 - 6), str(int(confusion[t, p])),
+                          fill="white" if shade < 128 else "black")
+    return np.asarray(sheet)
+
+
+# The HParams tab: the options that shape training, and the metrics to compare runs by,
+# with their scalar tags (so a run still going shows its latest values). TensorBoard takes
+# the first experiment it finds in a log directory; every run declares one.
+HPARAM_METRICS = {"test/accuracy": "test accuracy", "test/loss": "test loss", "train/loss": "train loss",
+                  "time/seconds_to_best": "seconds to the best epoch"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HParams:
+    """What the HParams tab shows of a run, as the recipe says."""
+    values: dict                        # name -> int, float, str or bool
+    first: tuple[str, ...] = ()         # marked as differing: the tab shows them first (a sweep: what it varies)
+    choices: dict = dataclasses.field(default_factory=dict)   # name -> the values a str may take
+
+
+def hparams_summary(tag: str, **content) -> Summary:
+    data = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **content)
+    plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=data.SerializeToString())
+    return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
+
+
+def declare_hparams(log_dir: Path, hparams: HParams) -> None:
+    """Write the experiment (which options and metrics the tab shows) once per log directory."""
+    types = {float: api_pb2.DATA_TYPE_FLOAT64, int: api_pb2.DATA_TYPE_FLOAT64, str: api_pb2.DATA_TYPE_STRING,
+             bool: api_pb2.DATA_TYPE_BOOL}
+    infos = [api_pb2.HParamInfo(name=name, type=types[type(value)], differs=name in hparams.first)
+             for name, value in hparams.values.items()]
+    for info in infos:
+        info.domain_discrete.extend(hparams.choices.get(info.name, ()))
+    metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name) for tag, name in HPARAM_METRICS.items()]
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(log_dir / ".hparams-declared", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return  # another run of this directory (an array task) did it
+    except OSError as err:
+        # The parent of a --run-dir may be a directory this user cannot write (a project's
+        # shared folder): a run directory that can be written still trains, and without the
+        # declaration TensorBoard infers the tab's columns from the runs it finds.
+        print(f"warning: cannot declare the HParams experiment in {log_dir} ({err.strerror}); training goes on, "
+              "and TensorBoard's HParams tab infers its columns from the runs", file=sys.stderr, flush=True)
+        return
+    with SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
+        writer.file_writer.add_summary(hparams_summary(metadata.EXPERIMENT_TAG, experiment=api_pb2.Experiment(
+            hparam_infos=infos, metric_infos=metrics)))
+
+
+def read_metrics_tolerantly(path: Path) -> list[dict]:
+    """metrics.jsonl's records, without a line that a crash cut short while it was being
+    appended (and any other line that is not a record), each dropped with a warning."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            print(f"warning: dropping line {number} of {path}, which is not a whole record: {line[:80]!r}",
+                  file=sys.stderr, flush=True)
+    return records
+
+
+def markdown_table(d: dict) -> str:
+    return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in d.items())
+
+
+class RunLogger:
+    """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
+
+    def __init__(self, run_dir: Path, options: dict, hparams: HParams, environment: dict, resumed_step: int,
+                 classes: tuple[str, ...], log_every: int, progress_every: float, note: str = ""):
+        # For sweep.py summary and anyone reading the directory: what this attempt runs with.
+        (run_dir / "run.json").write_text(json.dumps({"config": options, "environment": environment}))
+        self.log_every, self.progress_every, self.classes = log_every, progress_every, classes
+        self.last_progress = time.monotonic()
+        # The run goes on from resumed_step (0: from the start) and repeats what came after
+        # it: drop those lines, and have TensorBoard hide those steps, so nothing is doubled
+        # or rewound.
+        metrics_path = run_dir / "metrics.jsonl"
+        records = [r for r in read_metrics_tolerantly(metrics_path) if r["step"] <= resumed_step]
+        rewritten = metrics_path.with_name(f".{metrics_path.name}{TEMPORARY_SUFFIX}{os.getpid()}")  # a kill loses no line
+        rewritten.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(rewritten, metrics_path)
+        # Training time so far and when the best epoch came, over every attempt of the run.
+        self.elapsed, self.best, self.to_best = 0.0, -1.0, 0.0
+        for record in records:
+            self.add_epoch_time(record)
+        declare_hparams(run_dir.parent, hparams)
+        self.writer = SummaryWriter(str(run_dir), purge_step=resumed_step + 1)
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for name, value in hparams.values.items():
+            kind = "bool_value" if isinstance(value, bool) else "string_value" if isinstance(value, str) else "number_value"
+            setattr(start.hparams[name], kind, value)
+        self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=start))
+        self.metrics = open(metrics_path, "a")
+        self.show_progress = sys.stdout.isatty()
+        # At the step it starts from: a resumed run's attempts each keep their own entry.
+        self.writer.add_text("config", markdown_table(options), resumed_step)
+        self.writer.add_text("environment", markdown_table(environment), resumed_step)
+        self.writer.add_text("classes", markdown_table(dict(enumerate(classes))), resumed_step)
+        if note:
+            self.writer.add_text("log", note, resumed_step)
+            print(note, flush=True)
+        self.writer.flush()
+        print(f"config: {json.dumps(options)}")
+        print(f"environment: {json.dumps(environment)}")
+        print(f"TensorBoard logs: {run_dir}  (view: tensorboard --logdir {run_dir.parent})", flush=True)
+
+    def step(self, step: int, loss: torch.Tensor, epoch: int, step_in_epoch: int, steps_per_epoch: int) -> None:
+        """Called every step; reads the loss (a device sync) only when something is due."""
+        if step % self.log_every == 0:
+            self.writer.add_scalar("train/batch_loss", loss.item(), step)
+            if self.show_progress:
+                print(f"\repoch {epoch} step {step_in_epoch}/{steps_per_epoch} loss {loss.item():.4f}", end="", flush=True)
+        if not self.show_progress and self.progress_every and time.monotonic() - self.last_progress >= self.progress_every:
+            # In a batch job's output file, so that a long epoch does not look like a hang.
+            self.last_progress = time.monotonic()
+            print(f"epoch {epoch} step {step_in_epoch}/{steps_per_epoch} (step {step} in all) batch loss {loss.item():.4f}",
+                  flush=True)
+
+    def add_epoch_time(self, record: dict) -> None:
+        self.elapsed += record["epoch_s"]
+        if record["test_accuracy"] > self.best:
+            self.best, self.to_best = record["test_accuracy"], self.elapsed
+        record["seconds_to_best"] = self.to_best
+
+    def epoch(self, record: dict, evaluation, pictures: bool) -> None:
+        """The epoch's line, record and scalars; with `pictures`, the evaluation's examples
+        ({name: (uint8 images [k, C, H, W], predictions, true classes)}) and its confusion matrix."""
+        self.add_epoch_time(record)
+        if self.show_progress:
+            print("\r\033[K", end="")
+        line = (f"epoch {record['epoch']:3d} | train loss {record['train_loss']:.4f} | test loss {record['test_loss']:.4f} "
+                f"| test acc {100 * record['test_accuracy']:6.2f}% | lr {record['lr']:.2e} "
+                f"| {record['images_per_s']:8.0f} img/s | {record['epoch_s']:6.2f} s")
+        print(line, flush=True)
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        step = record["step"]
+        for tag, key in (("train/loss", "train_loss"), ("test/loss", "test_loss"), ("test/accuracy", "test_accuracy"),
+                         ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"), ("speed/epoch_s", "epoch_s"),
+                         ("memory/peak_rss_mb", "peak_rss_mb"), ("gpu/memory_gb", "gpu_memory_gb"),
+                         ("time/seconds_to_best", "seconds_to_best"),
+                         ("gpu/utilization_percent", "gpu_utilization")):
+            if key in record:
+                self.writer.add_scalar(tag, record[key], step)
+        self.writer.add_text("log", f"`{line}`", step)
+        if pictures:
+            for name, (images, pred, true) in evaluation.examples.items():
+                if len(images):
+                    self.writer.add_image(f"test/{name}", labelled_grid(images, pred, true), step, dataformats="HWC")
+            self.writer.add_image("test/confusion_matrix", confusion_picture(evaluation.confusion, self.classes), step,
+                                  dataformats="HWC")
+        self.writer.flush()  # per epoch, not per step: cheap and TensorBoard stays current
+
+    def finish(self, final: dict, step: int) -> None:
+        for name, value in final.items():
+            self.writer.add_scalar(f"final/{name}", value, step)
+        self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=(
+            plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
+
+    def close(self) -> None:
+        self.writer.close()
+        self.metrics.close()
+
+
+class NullLogger:
+    """What ranks other than 0 log: nothing, so call sites never branch on rank."""
+
+    def step(self, *args) -> None: ...
+    def epoch(self, record: dict, evaluation, pictures: bool) -> None: ...
+    def finish(self, final: dict, step: int) -> None: ...
+    def close(self) -> None: ...

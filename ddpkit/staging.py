@@ -1,0 +1,192 @@
+"""Data staging: getting a data set's files into the data directory (downloaded, or copied
+from a file:// mirror), and into a node-local directory, once per node and once per shared
+directory, behind a file lock that also holds across NFS clients.
+
+The MNIST-like data sets (torchvision's classes) are staged here; imagesets.py reads them,
+and image folders, into memory or a DataLoader."""
+
+import contextlib
+import fcntl
+import io
+import os
+import shutil
+import socket
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from torchvision.datasets import MNIST, FashionMNIST
+from torchvision.datasets.utils import check_integrity
+
+from ddpkit.distributed import Runtime, all_ranks_agree
+from ddpkit.launch import PROG, UsageError
+from ddpkit.options import RunOptions
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+class MNISTSample(MNIST):
+    """The 4,000 + 1,000-image MNIST sample bundled in data/mnist-sample (see its README).
+
+    Its 'mirror' is that directory, so a smoke run stages it through the same download,
+    checksum and parsing path as the full data sets."""
+    mirrors = [(REPOSITORY / "data" / "mnist-sample").as_uri() + "/"]
+    resources = [
+        ("train-images-idx3-ubyte.gz", "2ed410f5afecb048f3454a25670855ab"),
+        ("train-labels-idx1-ubyte.gz", "3c3d8702adc7c424b6625947ddd63d9e"),
+        ("t10k-images-idx3-ubyte.gz", "028fa3aaba12cfa6cc55aca87a16885c"),
+        ("t10k-labels-idx1-ubyte.gz", "4d079c24de05debc9420a23a8263db82"),
+    ]
+
+
+# The data sets torchvision fetches and stages as DATA_DIR/<Name>/raw.
+DATASET_CLASSES = {"mnist-sample": MNISTSample, "mnist": MNIST, "fashion-mnist": FashionMNIST}
+
+
+@contextlib.contextmanager
+def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = ""):
+    """Hold DATA_DIR/.mnist_ddp.lock: concurrent jobs, and nodes sharing an NFS data
+    directory, take turns at writing into it. POSIX locks also work across NFS clients.
+    A directory that cannot be written is refused in one line (`lacking` says what for)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock_file = open(data_dir / ".mnist_ddp.lock", "a")
+    except OSError as err:
+        raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}){lacking}; pass a writable {flag}, or "
+                         "stage the data into it elsewhere first") from None
+    with lock_file:
+        fcntl.lockf(lock_file, fcntl.LOCK_EX)
+        yield
+
+
+def dataset_class(dataset: str, mirror: str = "") -> type[MNIST]:
+    cls = DATASET_CLASSES[dataset]
+    if not mirror:
+        return cls
+    # Same class name, so the files land in the same DATA_DIR/<Name>/raw folder.
+    return type(cls.__name__, (cls,), {"mirrors": [mirror.rstrip("/") + "/"]})
+
+
+def raw_files(cls: type[MNIST]) -> list[str]:
+    return [name.removesuffix(".gz") for name, _ in cls.resources]
+
+
+def copy_from_file_mirror(cls: type[MNIST], raw: Path) -> None:
+    """torchvision cannot fetch file:// URLs; copy such a mirror's files and let it check them."""
+    mirror = cls.mirrors[0]
+    if not mirror.startswith("file://"):
+        return
+    raw.mkdir(parents=True)
+    for name, md5 in cls.resources:
+        source = Path(urllib.request.url2pathname(urllib.parse.urlparse(mirror + name).path))
+        shutil.copyfile(source, raw / name)
+        if not check_integrity(str(raw / name), md5):
+            raise RuntimeError(f"{source} does not have the expected MD5 {md5}")
+
+
+def is_staged(cls: type[MNIST], data_dir: Path) -> bool:
+    raw = data_dir / cls.__name__ / "raw"
+    return all((raw / name).is_file() for name in raw_files(cls))
+
+
+def stage_dataset(cls: type[MNIST], data_dir: Path, source: Path | None = None, flag: str = "--data-dir") -> bool:
+    """Make DATA_DIR/<Name>/raw hold the unpacked files, downloaded or copied from the
+    staged data directory `source`; True if it had to fetch them.
+
+    A data directory that already holds the data is only read (it may be read-only). To
+    fetch, a file lock in the data directory makes concurrent jobs (and nodes sharing an
+    NFS data directory) take turns. Files are fetched and checked in a private staging
+    directory and then renamed into place, so a reader never sees half a file and a
+    crash mid-download leaves nothing behind that looks complete."""
+    if is_staged(cls, data_dir):
+        return False
+    raw = data_dir / cls.__name__ / "raw"
+    with data_lock(data_dir, flag, f" and it does not hold {cls.__name__} yet"):
+        if is_staged(cls, data_dir):
+            return False
+        chatter = io.StringIO()
+        try:
+            with tempfile.TemporaryDirectory(dir=data_dir, prefix=".staging-") as staging:
+                staged_raw = Path(staging, cls.__name__, "raw")
+                if source is not None:
+                    shutil.copytree(source / cls.__name__ / "raw", staged_raw)
+                else:
+                    copy_from_file_mirror(cls, staged_raw)
+                    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+                        cls(staging, train=True, download=True)
+                raw.mkdir(parents=True, exist_ok=True)
+                for name in raw_files(cls):
+                    os.replace(staged_raw / name, raw / name)
+        except (RuntimeError, OSError) as err:
+            if source is not None:
+                raise UsageError(f"cannot copy {cls.__name__} from {source} into the node-local {data_dir} "
+                                 f"({getattr(err, 'strerror', None) or err}); free space there or pass another --node-data-dir") from None
+            lines = [line.strip() for line in str(err).splitlines() + chatter.getvalue().splitlines() if line.strip()]
+            reason = lines[-1] if lines else type(err).__name__
+            names = ", ".join(name for name, _ in cls.resources)
+            raise UsageError(f"cannot download {cls.__name__} into {raw} ({reason}). Put {names} (or the unpacked files) "
+                             f"there, e.g. run `python {PROG} --dataset ... --download-only` on a machine with internet, "
+                             "or pass --data-mirror URL or --data-dir DIR") from None
+    return True
+
+
+def node_data_dir(config: RunOptions) -> Path | None:
+    """--node-data-dir with $VARS and ~ expanded here, on the node (not at submission)."""
+    if not config.node_data_dir:
+        return None
+    path = os.path.expandvars(os.path.expanduser(config.node_data_dir))
+    if "$" in path:
+        raise UsageError(f"--node-data-dir {config.node_data_dir}: {path} names a variable that is not set on "
+                         f"{socket.gethostname()}; name a directory that exists on every node, e.g. '$TMPDIR/data'")
+    return Path(path)
+
+
+def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
+    """The first rank of each node stages the data set while the others wait; returns the
+    directory every rank reads it from.
+
+    One rank per node (not one per job) also covers node-local data directories; on a
+    shared one, the lock lets only the first of them download. With --node-data-dir the
+    shared directory is the source, and each node reads its own copy."""
+    data_dir, local = Path(run.data_dir), None
+    error = ""
+    if rt.local_rank == 0:
+        try:
+            local = node_data_dir(run)
+            if dataset in DATASET_CLASSES:
+                cls = dataset_class(dataset, run.data_mirror)
+                if stage_dataset(cls, data_dir):
+                    print(f"[rank {rt.rank}] staged {cls.__name__} in {data_dir / cls.__name__ / 'raw'}", flush=True)
+                if local is not None and stage_dataset(cls, local, source=data_dir, flag="--node-data-dir"):
+                    print(f"[rank {rt.rank}] copied {cls.__name__} to {local} on {socket.gethostname()}", flush=True)
+            elif local is not None and copy_folder(data_dir, local):
+                print(f"[rank {rt.rank}] copied {data_dir} to {local} on {socket.gethostname()}", flush=True)
+        except UsageError as err:
+            error = str(err)
+    if not all_ranks_agree(not error, rt, "the barrier around staging the data"):
+        raise UsageError(error or "another rank could not stage the data set; see its error above")
+    return node_data_dir(run) or data_dir
+
+
+def copy_folder(source: Path, local: Path) -> bool:
+    """Copy an image folder's train/ and test/ to the node-local directory, unless a complete
+    copy is there already; True if it had to copy."""
+    done = local / ".copied-from"
+    if done.is_file() and done.read_text() == str(source.resolve()):
+        return False
+    with data_lock(local, "--node-data-dir"):
+        if done.is_file() and done.read_text() == str(source.resolve()):
+            return False
+        try:
+            for part in ("train", "test"):
+                with tempfile.TemporaryDirectory(dir=local, prefix=".staging-") as staging:
+                    shutil.copytree(source / part, Path(staging, part))
+                    if (local / part).exists():
+                        shutil.rmtree(local / part)
+                    os.replace(Path(staging, part), local / part)
+            done.write_text(str(source.resolve()))
+        except OSError as err:
+            raise UsageError(f"cannot copy {source} into the node-local {local} ({err.strerror or err}); free space "
+                             "there or pass another --node-data-dir") from None
+    return True
