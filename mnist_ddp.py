@@ -71,27 +71,26 @@ except ModuleNotFoundError as missing:  # this file was copied without the packa
     print("mnist_ddp.py: error: cannot import ddpkit, the package this script runs on; keep the ddpkit/ folder beside "
           "mnist_ddp.py (copy both)", file=sys.stderr)
     sys.exit(2)
-EARLY_STOP = launch.StopSignals() if __name__ == "__main__" else None
+STOP_SIGNALS = launch.StopSignals() if __name__ == "__main__" else None
 
-import copy  # noqa: E402  (after the stop signals, on purpose: see above)
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import copy  # (after the stop signals, on purpose: see above)
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torchvision  # noqa: E402
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
 
-from ddpkit import imagesets, jobs, staging  # noqa: E402
-from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp  # noqa: E402
-from ddpkit.imagesets import ImageSet, normalize, shift_images  # noqa: E402
-from ddpkit.options import RunOptions, need, option  # noqa: E402
-from ddpkit.runlog import HParams  # noqa: E402
-from ddpkit.training_run import TrainingRun  # noqa: E402
+from ddpkit import imagesets, jobs, staging
+from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
+from ddpkit.imagesets import ImageSet, normalize, shift_images
+from ddpkit.options import RunOptions, need, option
+from ddpkit.runlog import HParams
+from ddpkit.training_run import TrainingRun
 
 # ----------------------------------------------------------------------------- options
 
@@ -156,19 +155,10 @@ def hparams(recipe: Recipe, options: RunOptions, world_size: int, first: tuple[s
 # ----------------------------------------------------------------------------- data
 
 def read_data(recipe: Recipe, options: RunOptions, data_dir: Path, job: jobs.Job) -> tuple[ImageSet, ImageSet]:
-    """Both splits as uint8 images [N, C, H, W] and labels: held in memory on the device when
-    they fit (the fast path), else streamed from their files by a DataLoader (--data-feed)."""
-    rt = job.rt
-    if recipe.dataset == "folder":
-        size = imagesets.folder_bytes(data_dir)
-        load = functools.partial(imagesets.load_folder, data_dir, verbose=rt.is_main)
-    else:
-        cls = staging.dataset_class(recipe.dataset)
-        size, load = imagesets.mnist_like_bytes(cls, data_dir), functools.partial(imagesets.load_mnist_like, cls, data_dir)
-    feed, reason = imagesets.choose_feed(options.data_feed, size, job.launch.local_world_size, rt.device)
-    if rt.local_rank == 0:
-        print(f"[rank {rt.rank}] data: {reason}", flush=True)
-    return load(feed=feed, device=rt.device)
+    """Both splits as uint8 images [N, C, H, W] with their labels and class names: held in
+    memory on the device when they fit (the fast path), else streamed from their files by a
+    DataLoader (--data-feed). Data of another kind: return two ImageSets from here."""
+    return imagesets.read_splits(recipe.dataset, data_dir, options.data_feed, job.rt, job.launch.local_world_size)
 
 
 def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor | None:
@@ -409,7 +399,7 @@ def prepare_and_train(job: jobs.Job) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this process's part of the job; returns the exit code (see the manual above)."""
-    return jobs.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=EARLY_STOP)
+    return jobs.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS)
 
 
 if __name__ == "__main__":

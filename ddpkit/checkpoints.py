@@ -93,11 +93,19 @@ def weights_are_finite(state: Mapping[str, object]) -> bool:
                for p in thing.parameters())
 
 
+# The checkpoint's own keys; the recipe's state goes beside them, each under its name.
+RESERVED = frozenset(("format", "config", "world_size", "progress", "rank_states"))
+
+
 def save_checkpoint(run_dir: Path, options: dict, state: Mapping[str, object], rt: Runtime, progress: Progress,
                     loss_sum: torch.Tensor, keep: int) -> Path:
     """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
     the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
     is saved as its state_dict under its name."""
+    taken = RESERVED.intersection(state)
+    if taken:
+        raise ValueError(f"a checkpoint keeps its own {', '.join(sorted(taken))} under that name: give the recipe's "
+                         "state another name")
     states = gather_to_all(rank_state(loss_sum, rt.device), "the gather of each rank's state")
     path = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
     if rt.is_main:
@@ -263,9 +271,10 @@ def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: in
 
 
 def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """The optimizer's state from the checkpoint, its hyperparameters from the options given
-    now (--allow-changes decided whether they may differ): lr, weight decay, betas."""
-    given = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    """The optimizer's state from the checkpoint, and its hyperparameters from the options
+    given now (--allow-changes decided whether they may differ: weight decay, betas), except
+    the learning rate, which stays where the schedule had taken it (the next step sets it)."""
+    given = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     try:
         optimizer.load_state_dict(saved)
     except ValueError as err:  # its parameter groups differ: the optimizer's code changed

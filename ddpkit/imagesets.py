@@ -6,6 +6,7 @@ decodes each batch's files, for data that does not fit. Both feeds give the same
 Also the per-batch image arithmetic that both feeds share: standardising and shifting."""
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -23,8 +24,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import MNIST
 
+from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
-from ddpkit.staging import data_lock, raw_files
+from ddpkit.staging import data_lock, dataset_class, raw_files
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -128,6 +130,23 @@ class FolderReader(Dataset):
         return decode_image(self.paths[i], self.shape)
 
 
+# ----------------------------------------------------------------------------- reading a data set
+
+def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on_node: int) -> tuple[ImageSet, ImageSet]:
+    """(train, test) of --dataset (a name of staging.DATASET_CLASSES, or "folder") staged in
+    data_dir, fed as --data-feed `wanted` says; the first rank of each node says which feed."""
+    if dataset == "folder":
+        size = folder_bytes(data_dir)
+        load = functools.partial(load_folder, data_dir, verbose=rt.is_main)
+    else:
+        cls = dataset_class(dataset)
+        size, load = mnist_like_bytes(cls, data_dir), functools.partial(load_mnist_like, cls, data_dir)
+    feed, reason = choose_feed(wanted, size, ranks_on_node, rt.device)
+    if rt.local_rank == 0:
+        print(f"[rank {rt.rank}] data: {reason}", flush=True)
+    return load(feed=feed, device=rt.device)
+
+
 # ----------------------------------------------------------------------------- choosing the feed
 
 def choose_feed(wanted: str, image_bytes: int, ranks_on_node: int, device: torch.device) -> tuple[str, str]:
@@ -146,8 +165,14 @@ def choose_feed(wanted: str, image_bytes: int, ranks_on_node: int, device: torch
         if image_bytes > free / 4:
             return "stream", (f"streamed by a DataLoader: {human_bytes(image_bytes)} would not fit in {human_bytes(free / 4)} "
                               f"(a quarter of {device}'s free memory)")
-    room = f"{human_bytes(available / 2)} (half the memory available)" if available is not None else "memory (size unknown)"
-    return "memory", f"held in memory: {need} fit in {room}"
+    if available is None:
+        return "memory", f"held in memory: {need} (the memory available is unknown)"
+    return "memory", f"held in memory: {need} fit in {human_bytes(available / 2)} (half the memory available)"
+
+
+def check_feed(feed: str) -> None:
+    if feed not in FEEDS:
+        raise ValueError(f"feed {feed!r} is not one of {', '.join(FEEDS)} (choose_feed resolves auto)")
 
 
 def available_memory() -> int | None:
@@ -178,6 +203,7 @@ def mnist_like_bytes(cls: type[MNIST], data_dir: Path) -> int:
 
 def load_mnist_like(cls: type[MNIST], data_dir: Path, feed: str, device: torch.device) -> tuple[ImageSet, ImageSet]:
     """(train, test) of a torchvision MNIST-family data set staged in DATA_DIR/<Name>/raw."""
+    check_feed(feed)
     train, test = (read_mnist_split(cls, data_dir, part) for part in (True, False))
     mean, std = MNIST_STATS.get(cls.__name__) or stats_from_histograms(channel_histograms(train.data.unsqueeze(1)))
     classes = tuple(cls.classes)
@@ -232,6 +258,7 @@ def load_folder(root: Path, feed: str, device: torch.device, lock_dir: Path | No
                 verbose: bool = True) -> tuple[ImageSet, ImageSet]:
     """(train, test) from ROOT/train/<class>/* and ROOT/test/<class>/* (PNG and JPEG, all of
     one size). `verbose` (say, rank 0 only) prints the warnings and the one-off statistics line."""
+    check_feed(feed)
     listing = list_folder(root)
     if listing.ignored and verbose:
         print(f"warning: ignored {len(listing.ignored)} file(s) in {root} that are not PNG or JPEG, e.g. "

@@ -143,7 +143,8 @@ def build_parser(recipe_class: type, manual: str = "") -> argparse.ArgumentParse
     groups: dict[str, argparse._ArgumentGroup] = {}
     recipe_fields, run_fields = dataclasses.fields(recipe_class), dataclasses.fields(RunOptions)
     clash = {f.name for f in recipe_fields} & {f.name for f in run_fields}
-    assert not clash, f"recipe options that RunOptions has too: {clash}"
+    if clash:
+        raise TypeError(f"recipe options that RunOptions has too: {clash}")
     allowed = ", ".join(flag(name) for name in changeable(recipe_class)) or "(none)"
     for f in (*recipe_fields, *run_fields):
         group_name = f.metadata.get("group", "options")
@@ -182,5 +183,7 @@ def option_args(*options, leave_out: tuple[str, ...] = ()) -> list[str]:
             if isinstance(value, bool):
                 args.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
             else:
-                args += [flag(f.name), repr(value) if isinstance(value, float) else str(value)]
+                text = repr(value) if isinstance(value, float) else str(value)
+                # A value that starts with a dash would read as an option of its own.
+                args += [f"{flag(f.name)}={text}"] if text.startswith("-") else [flag(f.name), text]
     return args

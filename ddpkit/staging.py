@@ -172,6 +172,10 @@ def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
 def copy_folder(source: Path, local: Path) -> bool:
     """Copy an image folder's train/ and test/ to the node-local directory, unless a complete
     copy is there already; True if it had to copy."""
+    missing = [part for part in ("train", "test") if not (source / part).is_dir()]
+    if missing:
+        raise UsageError(f"--data-dir {source} has no {missing[0]}/ folder: --dataset folder reads "
+                         f"{source}/train/<class>/*.png|jpg and {source}/test/<class>/*")
     done = local / ".copied-from"
     if done.is_file() and done.read_text() == str(source.resolve()):
         return False

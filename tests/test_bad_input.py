@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mnist_ddp
-from conftest import ROOT, clean_env, run_as_srun, run_single
+from conftest import ROOT, SCRIPT, clean_env, run_as_srun, run_single
 
 
 @pytest.fixture(autouse=True)
@@ -363,3 +363,26 @@ def test_temporary_file_of_a_save_killed_midway_is_removed_when_the_run_starts_a
     result = run_single(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt-00000003.pt"]
+
+
+def test_script_copied_without_its_package_says_to_keep_it_beside(tmp_path):
+    """mnist_ddp.py copied alone, without ddpkit/: one line that says what to do, exit 2."""
+    lonely = tmp_path / "mnist_ddp.py"
+    lonely.write_bytes(SCRIPT.read_bytes())
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, str(lonely), "--epochs", "1"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("mnist_ddp.py: error: cannot import ddpkit, the package this script runs on; keep "
+                                     "the ddpkit/ folder beside mnist_ddp.py (copy both)")
+
+
+def test_stop_signals_are_caught_before_torch_loads():
+    """ddpkit.launch, which mnist_ddp.py imports first to catch SIGUSR1/SIGTERM, needs only
+    the standard library: torch (seconds to import from shared storage) is not loaded yet."""
+    probe = ("import sys; import ddpkit.launch; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'torchvision', 'PIL')))")
+    result = subprocess.run([sys.executable, "-c", probe], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

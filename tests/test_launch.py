@@ -1,7 +1,7 @@
 """Launch-environment parsing: torchrun's variables, Slurm's (host lists, port derivation,
 a missing srun, ranks that do not add up) and the single-process fallback.
 
-    python -m pytest tests/test_launch_env.py
+    python -m pytest tests/test_launch.py
 """
 
 import pytest

@@ -4,7 +4,7 @@ checksums): one rank downloads behind the barrier while the other waits, two job
 sharing a data directory take turns, and a missing network or a corrupt file ends in
 one actionable line on every rank, with nothing half-written left behind.
 
-    python -m pytest tests/test_data.py
+    python -m pytest tests/test_staging.py
 """
 
 import hashlib
