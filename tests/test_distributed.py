@@ -2,7 +2,8 @@
 its label (the innermost one when nested), collective_of falls back to the background label,
 and, with two real Gloo ranks, a rank that has exited makes rank 0's broadcast_from_main,
 gather_to_all and wrap_ddp fail with an error that names that operation, which is what the
-lost-peer line (exit 4) says. (The device and launch checks are in test_launch.py.)
+lost-peer line (exit 4) says; and the device each rank takes (GPU requests, too few GPUs,
+GPUs torch cannot use, --amp before Ampere), from the launcher's facts and torch's count.
 
     python -m pytest tests/test_distributed.py
 """
@@ -23,13 +24,18 @@ from ddpkit import recovery
 from ddpkit.checkpoints import Progress
 from ddpkit.distributed import (
     Runtime,
+    amp_warning,
     broadcast_from_main,
     collective,
     collective_of,
     gather_to_all,
+    pick_device,
     set_background,
+    unusable_gpu_message,
     wrap_ddp,
 )
+from ddpkit.launch import UsageError, read_launch_env
+from ddpkit.options import RunOptions
 
 
 @pytest.fixture
@@ -162,3 +168,75 @@ def test_a_lost_peer_is_named_by_the_operation(lost_peer_errors, name):
     assert result["lost_peer"], result
     assert result["line"].startswith(f"lost contact with another rank during {OPERATIONS[name]} at step 40 (epoch 2): "
                                      "a peer probably died or hung ("), result["line"]
+
+
+# --- GPUs: which device each rank takes, decided from the launcher's facts and torch's count.
+
+def device_for(env: dict, cuda_available: bool, device_count: int, device: str = "auto"):
+    config = RunOptions(device=device)
+    return pick_device(config, read_launch_env(env), cuda_available, device_count)
+
+
+def srun_env(local_rank: int, tasks_per_node: str, **extra: str) -> dict:
+    return {"SLURM_JOB_ID": "7", "SLURM_PROCID": str(local_rank), "SLURM_LOCALID": str(local_rank), "SLURM_NTASKS": "4",
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, **extra}
+
+
+def test_gpus_per_node_each_rank_takes_its_own():
+    env = srun_env(3, "4(x1)", SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="0,1,2,3")
+    assert device_for(env, True, 4) == (torch.device("cuda", 3), "nccl")
+
+
+def test_gpus_per_task_each_task_sees_one():
+    env = srun_env(3, "4", SLURM_GPUS_PER_TASK="1", SLURM_JOB_GPUS="0,1,2,3", CUDA_VISIBLE_DEVICES="3")
+    assert device_for(env, True, 1) == (torch.device("cuda", 0), "nccl")
+
+
+def test_more_ranks_than_gpus_is_refused():
+    env = srun_env(2, "4", SLURM_GPUS_ON_NODE="2", CUDA_VISIBLE_DEVICES="0,1")
+    with pytest.raises(UsageError, match=r"4 ranks on this node but 2 GPU\(s\) visible to rank 2 .*ranks would share GPUs"):
+        device_for(env, True, 2)
+
+
+def test_torchrun_under_gpus_per_task_is_refused():
+    """One torchrun task per node with --gpus-per-task=1 shows a single GPU to all its workers."""
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu1",
+           "MASTER_PORT": "20000", "SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    with pytest.raises(UsageError, match="with LAUNCHER=torchrun, one task per node must see all its GPUs"):
+        device_for(env, True, 1)
+
+
+@pytest.mark.parametrize("variable", ["SLURM_GPUS_ON_NODE=2", "SLURM_JOB_GPUS=0,1", "CUDA_VISIBLE_DEVICES=0"])
+def test_gpus_given_but_unusable_is_refused(variable):
+    name, value = variable.split("=")
+    with pytest.raises(UsageError, match=rf"this job was given GPUs \({name}={value}\) but torch cannot use them"):
+        device_for({name: value}, False, 0)
+
+
+@pytest.mark.parametrize("env", [{}, {"CUDA_VISIBLE_DEVICES": ""}, {"SLURM_GPUS_ON_NODE": "0"}, {"CUDA_VISIBLE_DEVICES": "-1"}])
+def test_no_gpus_given_means_cpu(env):
+    assert device_for(env, False, 0) == (torch.device("cpu"), "gloo")
+
+
+def test_device_cpu_overrides_given_gpus():
+    assert device_for({"SLURM_JOB_GPUS": "0"}, False, 0, device="cpu") == (torch.device("cpu"), "gloo")
+
+
+@pytest.mark.parametrize("driver_cuda, index", [("12.2", "cu121"), ("12.8", "cu128"), ("13.1", "cu130"), ("11.4", None)])
+def test_unusable_gpu_message_names_a_matching_build(driver_cuda, index):
+    message = unusable_gpu_message("SLURM_JOB_GPUS=0", "13.0", "535.104.05", driver_cuda)
+    assert f"is built for CUDA 13.0, the node's driver 535.104.05 runs CUDA up to {driver_cuda}" in message
+    assert f"--index-url https://download.pytorch.org/whl/{index or 'cuXYZ'}" in message
+    assert "or pass --device cpu" in message
+
+
+def test_unusable_gpu_message_for_a_cpu_wheel_without_nvidia_smi():
+    message = unusable_gpu_message("CUDA_VISIBLE_DEVICES=0", None, "", "")
+    assert "is a CPU-only build, the driver's version is unknown (no nvidia-smi on this node)" in message
+
+
+@pytest.mark.parametrize("capability, warns", [((7, 0), True), ((7, 5), True), ((8, 0), False), ((9, 0), False)])
+def test_amp_warns_before_ampere(capability, warns):
+    assert bool(amp_warning(True, "Tesla V100", capability)) == warns
+    assert amp_warning(False, "Tesla V100", capability) == ""

@@ -1,15 +1,12 @@
-"""Launch-environment parsing: torchrun's variables, Slurm's (host lists, port derivation,
+"""Launch-environment parsing (ddpkit/launch.py): torchrun's variables, Slurm's (host lists, port derivation,
 a missing srun, ranks that do not add up) and the single-process fallback.
 
     python -m pytest tests/test_launch.py
 """
 
 import pytest
-import torch
 
-from ddpkit.distributed import amp_warning, pick_device, unusable_gpu_message
 from ddpkit.launch import UsageError, expand_hostlist, port_from_job_id, read_launch_env, tasks_on_node
-from ddpkit.options import RunOptions
 
 SRUN_TASK = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8"}
@@ -120,78 +117,6 @@ def test_non_integer_variable():
         read_launch_env({**SRUN_TASK, "SLURM_NTASKS": "four"})
 
 
-# --- GPUs: which device each rank takes, decided from the launcher's facts and torch's count.
-
-def device_for(env: dict, cuda_available: bool, device_count: int, device: str = "auto"):
-    config = RunOptions(device=device)
-    return pick_device(config, read_launch_env(env), cuda_available, device_count)
-
-
-def srun_env(local_rank: int, tasks_per_node: str, **extra: str) -> dict:
-    return {"SLURM_JOB_ID": "7", "SLURM_PROCID": str(local_rank), "SLURM_LOCALID": str(local_rank), "SLURM_NTASKS": "4",
-            "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_NODEID": "0",
-            "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, **extra}
-
-
 @pytest.mark.parametrize("value, node, count", [("2(x3),1", 0, 2), ("2(x3),1", 3, 1), ("4", 0, 4), ("3,1", 1, 1)])
 def test_tasks_on_node(value, node, count):
     assert tasks_on_node(value, node) == count
-
-
-def test_gpus_per_node_each_rank_takes_its_own():
-    env = srun_env(3, "4(x1)", SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="0,1,2,3")
-    assert device_for(env, True, 4) == (torch.device("cuda", 3), "nccl")
-
-
-def test_gpus_per_task_each_task_sees_one():
-    env = srun_env(3, "4", SLURM_GPUS_PER_TASK="1", SLURM_JOB_GPUS="0,1,2,3", CUDA_VISIBLE_DEVICES="3")
-    assert device_for(env, True, 1) == (torch.device("cuda", 0), "nccl")
-
-
-def test_more_ranks_than_gpus_is_refused():
-    env = srun_env(2, "4", SLURM_GPUS_ON_NODE="2", CUDA_VISIBLE_DEVICES="0,1")
-    with pytest.raises(UsageError, match=r"4 ranks on this node but 2 GPU\(s\) visible to rank 2 .*ranks would share GPUs"):
-        device_for(env, True, 2)
-
-
-def test_torchrun_under_gpus_per_task_is_refused():
-    """One torchrun task per node with --gpus-per-task=1 shows a single GPU to all its workers."""
-    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu1",
-           "MASTER_PORT": "20000", "SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "0"}
-    with pytest.raises(UsageError, match="with LAUNCHER=torchrun, one task per node must see all its GPUs"):
-        device_for(env, True, 1)
-
-
-@pytest.mark.parametrize("variable", ["SLURM_GPUS_ON_NODE=2", "SLURM_JOB_GPUS=0,1", "CUDA_VISIBLE_DEVICES=0"])
-def test_gpus_given_but_unusable_is_refused(variable):
-    name, value = variable.split("=")
-    with pytest.raises(UsageError, match=rf"this job was given GPUs \({name}={value}\) but torch cannot use them"):
-        device_for({name: value}, False, 0)
-
-
-@pytest.mark.parametrize("env", [{}, {"CUDA_VISIBLE_DEVICES": ""}, {"SLURM_GPUS_ON_NODE": "0"}, {"CUDA_VISIBLE_DEVICES": "-1"}])
-def test_no_gpus_given_means_cpu(env):
-    assert device_for(env, False, 0) == (torch.device("cpu"), "gloo")
-
-
-def test_device_cpu_overrides_given_gpus():
-    assert device_for({"SLURM_JOB_GPUS": "0"}, False, 0, device="cpu") == (torch.device("cpu"), "gloo")
-
-
-@pytest.mark.parametrize("driver_cuda, index", [("12.2", "cu121"), ("12.8", "cu128"), ("13.1", "cu130"), ("11.4", None)])
-def test_unusable_gpu_message_names_a_matching_build(driver_cuda, index):
-    message = unusable_gpu_message("SLURM_JOB_GPUS=0", "13.0", "535.104.05", driver_cuda)
-    assert f"is built for CUDA 13.0, the node's driver 535.104.05 runs CUDA up to {driver_cuda}" in message
-    assert f"--index-url https://download.pytorch.org/whl/{index or 'cuXYZ'}" in message
-    assert "or pass --device cpu" in message
-
-
-def test_unusable_gpu_message_for_a_cpu_wheel_without_nvidia_smi():
-    message = unusable_gpu_message("CUDA_VISIBLE_DEVICES=0", None, "", "")
-    assert "is a CPU-only build, the driver's version is unknown (no nvidia-smi on this node)" in message
-
-
-@pytest.mark.parametrize("capability, warns", [((7, 0), True), ((7, 5), True), ((8, 0), False), ((9, 0), False)])
-def test_amp_warns_before_ampere(capability, warns):
-    assert bool(amp_warning(True, "Tesla V100", capability)) == warns
-    assert amp_warning(False, "Tesla V100", capability) == ""
