@@ -1,5 +1,6 @@
 """Shared helpers: start mnist_ddp.py the way users do (plain, torchrun, as srun would)
-in subprocesses, with a clean environment and a data directory of the test's own."""
+in processes of their own, with a clean environment and a data directory of the test's own.
+Plain and srun-style runs are forked from a process that imported torch once (preloaded.py)."""
 
 import json
 import os
@@ -10,8 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import preloaded
 import pytest
 import torch
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "mnist_ddp.py"
@@ -53,8 +57,15 @@ def free_port() -> int:
 
 
 def run_single(args: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=clean_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    """`python mnist_ddp.py ARGS` in a process of its own (forked with torch imported: preloaded.py)."""
+    return preloaded.Run(args, cwd, clean_env(**env)).wait(timeout)
+
+
+def run_python(args: list[str], cwd: Path, code: str = "", script: Path | None = None, timeout: float = 300,
+               **env: str) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` or `python SCRIPT ARGS` (a user's edit of mnist_ddp.py, a test's
+    driver), forked with torch imported as run_single is."""
+    return preloaded.Run(args, cwd, clean_env(**env), script=script or SCRIPT, code=code or None).wait(timeout)
 
 
 def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -75,11 +86,21 @@ def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, j
                         SLURM_STEP_NODELIST=host, SLURM_CPUS_PER_TASK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         if job_id:
             env["SLURM_JOB_ID"] = job_id
+        code = command[2] if command and command[:2] == [sys.executable, "-c"] else None
+        if not detach and (code or not command):  # forked with torch imported (preloaded.py)
+            procs.append(preloaded.Run(args, cwd, env, code=code))
+            continue
         cmd = command or [sys.executable, str(SCRIPT)]
         procs.append(subprocess.Popen([*cmd, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     if detach:
         return procs
+    if all(isinstance(run, preloaded.Run) for run in procs):
+        try:
+            return [run.wait(timeout) for run in procs]
+        finally:
+            for run in procs:
+                run.kill()
     results = []
     for proc in procs:
         try:
@@ -90,6 +111,30 @@ def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, j
             raise
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results
+
+
+CLASSES = ("column", "diagonal", "row")
+
+
+def make_image_folder(root: Path, per_class: dict[str, int], size: int = 32, seed: int = 0) -> Path:
+    """root/train/<class>/*.png and root/test/<class>/*.png, 3 x size x size RGB, each class a
+    visible pattern (a bright column, diagonal or row in its own colour) on noise."""
+    rng = np.random.default_rng(seed)
+    for part, count in per_class.items():
+        for label, name in enumerate(CLASSES):
+            folder = root / part / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                image = rng.integers(0, 120, (size, size, 3), dtype=np.uint8)
+                at = rng.integers(2, size - 2)
+                if name == "row":
+                    image[at - 1: at + 2, :, label] = 255
+                elif name == "column":
+                    image[:, at - 1: at + 2, label] = 255
+                else:
+                    image[np.arange(size), np.arange(size), label] = 255
+                Image.fromarray(image).save(folder / f"{i:03d}.png")
+    return root
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

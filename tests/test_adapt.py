@@ -9,39 +9,13 @@ visible pattern (a bright row, column or diagonal) on noise.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import assert_ok, clean_env, load_params, read_metrics, run_as_srun, run_single
+from conftest import CLASSES, assert_ok, load_params, make_image_folder, read_metrics, run_as_srun, run_python, run_single
 from ddpkit.launch import EXIT_STOPPED
-
-CLASSES = ("column", "diagonal", "row")
-
-
-def make_image_folder(root: Path, per_class: dict[str, int], seed: int = 0) -> Path:
-    """root/train/<class>/*.png and root/test/<class>/*.png, 3 x 32 x 32, a pattern per class."""
-    rng = np.random.default_rng(seed)
-    for part, count in per_class.items():
-        for label, name in enumerate(CLASSES):
-            folder = root / part / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                image = rng.integers(0, 120, (32, 32, 3), dtype=np.uint8)
-                at = rng.integers(4, 28)
-                if name == "row":
-                    image[at - 1: at + 2, :, label] = 255
-                elif name == "column":
-                    image[:, at - 1: at + 2, label] = 255
-                else:
-                    image[np.arange(32), np.arange(32), label] = 255
-                Image.fromarray(image).save(folder / f"{i:03d}.png")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +43,8 @@ def test_own_image_folder_trains_through_both_feeds_alike(folder, tmp_path):
         assert_ok(rank_result)
     assert (folder / ".mnist-ddp-stats.json").is_file()  # computed once, beside the data
     a, b = load_params(one), load_params(two)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    for name in a:  # (36 AdamW steps apart from rounding: the sums run in another order; other images differ by 1e-2)
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
     for run_dir in (one, two):
         metrics = read_metrics(run_dir)
         assert [m["test_images"] for m in metrics] == [60, 60, 60]
@@ -146,12 +120,10 @@ def test_own_model_or_loss_is_one_function(driver, folder, tmp_path):
     with everything else as it is: checkpoints, evaluation, logs."""
     script = tmp_path / "adapted.py"
     script.write_text(driver)
-    command = [sys.executable, str(script), *folder_args(folder, "--batch-size", "16", "--run-name", "r")]
-    env = clean_env()
-    stopped = subprocess.run([*command, "--interrupt-at", "5:USR1"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=300)
+    args = folder_args(folder, "--batch-size", "16", "--run-name", "r")
+    stopped = run_python([*args, "--interrupt-at", "5:USR1"], tmp_path, script=script)
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
-    finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    finished = run_python(args, tmp_path, script=script)
     assert_ok(finished)
     metrics = read_metrics(tmp_path / "runs" / "r")
     assert [m["epoch"] for m in metrics] == [1, 2, 3] and metrics[-1]["test_images"] == 60

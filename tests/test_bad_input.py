@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mnist_ddp
-from conftest import ROOT, SCRIPT, clean_env, run_as_srun, run_single
+from conftest import ROOT, SCRIPT, clean_env, run_as_srun, run_python, run_single
 
 
 @pytest.fixture(autouse=True)
@@ -323,9 +323,8 @@ def test_checkpoint_that_does_not_fit_an_edited_model_is_refused(tmp_path):
     ckpt = Path("runs", "r", "checkpoints", "ckpt-00000003.pt")
     saved = (tmp_path / ckpt).read_bytes()
     (tmp_path / "wider.py").write_text(WIDER_MODEL)
-    result = subprocess.run([sys.executable, "wider.py", "--epochs", "1", "--max-steps", "6", "--allow-changes",
-                             "--run-name", "r"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                            timeout=300)
+    result = run_python(["--epochs", "1", "--max-steps", "6", "--allow-changes", "--run-name", "r"], tmp_path,
+                        script=tmp_path / "wider.py")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == (
         f"mnist_ddp.py: error: checkpoint {ckpt} does not fit this model (classifier.1.weight has shape [128, 3136] "
@@ -355,8 +354,7 @@ def test_temporary_file_of_a_save_killed_midway_is_removed_when_the_run_starts_a
     run's next start sweeps them away."""
     args = ["--epochs", "1", "--max-steps", "3", "--run-name", "r"]
     (tmp_path / "killed.py").write_text(KILLED_MID_SAVE)
-    killed = subprocess.run([sys.executable, "killed.py", *args], cwd=tmp_path, env=clean_env(), capture_output=True,
-                            text=True, timeout=300)
+    killed = run_python(args, tmp_path, script=tmp_path / "killed.py")
     assert killed.returncode == -9, killed.stderr[-3000:]
     checkpoints = tmp_path / "runs" / "r" / "checkpoints"
     assert [p.name.split(".tmp-")[0] for p in checkpoints.iterdir()] == [".ckpt-00000003.pt"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import SAMPLE, SCRIPT, assert_ok, clean_env, read_metrics, run_single, run_torchrun
+from conftest import SAMPLE, SCRIPT, assert_ok, clean_env, read_metrics, run_python, run_single, run_torchrun
 from ddpkit.launch import EXIT_STOPPED
 
 BATCH = 256
@@ -38,8 +38,7 @@ def steps_per_epoch(batch: int = BATCH, ranks: int = 1) -> int:
 def run_driver(code: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """mnist_ddp.main(args) in a process of its own, after `code` changed something in it."""
     driver = f"import os, signal, sys, mnist_ddp\n{code}\nsys.exit(mnist_ddp.main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", driver, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
+    return run_python(args, cwd, code=driver)
 
 
 def test_stop_at_the_very_last_step_still_finishes_the_run(workdir):

@@ -1,0 +1,85 @@
+"""mnist_ddp.py runs without the seconds of importing torch each time: a server process
+imports torch, torchvision, TensorBoard and ddpkit once (multiprocessing's forkserver), and
+every run is a process forked from it that runs mnist_ddp.py as __main__, with its own
+arguments, environment, working directory and output files, and exits with the script's
+code. The script, its signal handlers and its exit codes are the ones users get; only the
+imports were done before the fork. conftest.py's run_single and run_as_srun start runs
+this way; runs that test start-up itself are started afresh with subprocess."""
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "mnist_ddp.py"
+PRELOAD = ["torch", "torch.distributed", "torchvision", "torch.utils.tensorboard", "ddpkit.jobs", "ddpkit.imagesets",
+           "ddpkit.staging", "preloaded"]
+
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
+
+
+def run_script(args: list[str], cwd: str, env: dict[str, str], out: str, err: str, script: str, code: str | None) -> None:
+    """In the forked process: become `python SCRIPT ARGS` (or `python -c CODE ARGS`) run in
+    `cwd` with `env`."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch loaded, in the server: apply it here
+        import torch
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = ["-c" if code else script, *args]
+    status = 0
+    try:
+        if code:
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        if isinstance(done.code, int) or done.code is None:
+            status = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+class Run:
+    """One started run: wait() gives a subprocess.CompletedProcess, as subprocess.run would."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str], script: Path = SCRIPT, code: str | None = None):
+        self.args = [sys.executable, *(["-c", code] if code else [str(script)]), *args]
+        self.files = tempfile.TemporaryDirectory(prefix="mnist-ddp-run-")
+        self.out, self.err = (os.path.join(self.files.name, name) for name in ("out", "err"))
+        self.process = _context.Process(target=run_script, args=(args, str(cwd), env, self.out, self.err, str(script), code))
+        self.process.start()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            self.kill()
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        with self.files:
+            out, err = (Path(path).read_text(errors="replace") for path in (self.out, self.err))
+        return subprocess.CompletedProcess(self.args, self.process.exitcode, out, err)
