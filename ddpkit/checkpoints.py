@@ -78,7 +78,6 @@ class Progress:
     finished: bool = False      # the last epoch evaluated and model.pt written: nothing left to do
 
 
-
 def rank_state(loss_sum: torch.Tensor, device: torch.device) -> dict:
     """What each rank alone holds that the run depends on: RNG states (dropout) and the
     partial sums of the epoch in progress."""
@@ -94,11 +93,11 @@ def weights_are_finite(state: Mapping[str, object]) -> bool:
 
 
 # The checkpoint's own keys; the recipe's state goes beside them, each under its name.
-RESERVED = frozenset(("format", "config", "world_size", "progress", "rank_states"))
+RESERVED = frozenset(("format", "config", "classes", "world_size", "progress", "rank_states"))
 
 
-def save_checkpoint(run_dir: Path, options: dict, state: Mapping[str, object], rt: Runtime, progress: Progress,
-                    loss_sum: torch.Tensor, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], state: Mapping[str, object], rt: Runtime,
+                    progress: Progress, loss_sum: torch.Tensor, keep: int) -> Path:
     """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
     the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
     is saved as its state_dict under its name."""
@@ -110,7 +109,7 @@ def save_checkpoint(run_dir: Path, options: dict, state: Mapping[str, object], r
     path = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
     if rt.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_atomic({"format": CKPT_FORMAT, "config": options, "world_size": rt.world_size,
+        save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes), "world_size": rt.world_size,
                      **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         # The newest `keep` up to this step; a later one is the file a rewound run resumed
@@ -230,13 +229,20 @@ def run_is_done(progress: Progress, epochs: int, max_steps: int) -> bool:
     return progress.epoch > epochs or (max_steps > 0 and progress.step >= max_steps)
 
 
-def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: int,
-                max_steps: int) -> tuple[Progress, torch.Tensor]:
+def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: int, max_steps: int,
+                classes: tuple[str, ...] | None = None) -> tuple[Progress, torch.Tensor]:
     """Load a checkpoint rank 0 chose into `state` (the recipe's model, optimizer, ...);
-    returns where to go on and this rank's loss sums of the epoch in progress."""
+    returns where to go on and this rank's loss sums of the epoch in progress. A checkpoint
+    of other `classes` (another image folder) is refused."""
     # Read onto the CPU: load_state_dict places each tensor beside its parameter, except
     # AdamW's step counts, which must stay on the CPU or every step syncs with the GPU.
     ckpt = read_checkpoint(path, "cpu")
+    saved_classes = ckpt.get("classes")  # (none in checkpoints from before classes were saved)
+    if classes is not None and saved_classes is not None and list(saved_classes) != list(classes):
+        shown = lambda names: ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        raise UsageError(f"checkpoint {path} was trained on other classes ({shown(saved_classes)}) than this data has "
+                         f"({shown(list(classes))}): pass the data it was trained on, or another --run-name to start "
+                         "afresh")
     for name, thing in state.items():
         if thing is None:
             continue

@@ -26,7 +26,7 @@ from torchvision.datasets import MNIST
 
 from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
-from ddpkit.staging import data_lock, dataset_class, raw_files
+from ddpkit.staging import STATS_FILE, data_lock, dataset_class, raw_files
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -37,7 +37,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 # PIL modes without colour; a folder whose images all have one of them gets 1 channel.
 GRAY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
-STATS_FILE = ".mnist-ddp-stats.json"
 STATS_FORMAT = 1
 
 
@@ -77,8 +76,10 @@ class ImageSet:
             for idx in index_batches:
                 yield self.images[idx.to(self.images.device)].to(device)
             return
+        # A generator of its own: the loader draws its workers' seeds from it, not from the
+        # global one that dropout uses (a resumed run would draw once more and train differently).
         loader = DataLoader(self.reader, batch_sampler=[idx.tolist() for idx in index_batches], num_workers=workers,
-                            pin_memory=device.type == "cuda")
+                            pin_memory=device.type == "cuda", generator=torch.Generator())
         try:
             for batch in loader:
                 yield batch.to(device, non_blocking=True)
@@ -134,7 +135,7 @@ class FolderReader(Dataset):
 
 def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on_node: int) -> tuple[ImageSet, ImageSet]:
     """(train, test) of --dataset (a name of staging.DATASET_CLASSES, or "folder") staged in
-    data_dir, fed as --data-feed `wanted` says; the first rank of each node says which feed."""
+    data_dir, fed as --data-feed `wanted` says (each rank decides; the first of each node says how)."""
     if dataset == "folder":
         size = folder_bytes(data_dir)
         load = functools.partial(load_folder, data_dir, verbose=rt.is_main)
@@ -411,7 +412,8 @@ def stats_from_histograms(histograms: torch.Tensor) -> tuple[tuple[float, ...], 
         total = sum(v * c for v, c in enumerate(counts))
         squares = sum(v * v * c for v, c in enumerate(counts))
         means.append(total / n / 255)
-        stds.append(math.sqrt(squares * n - total * total) / n / 255)
+        # A channel that never varies (all blue 0) would divide by 0: one pixel step instead.
+        stds.append(max(math.sqrt(squares * n - total * total) / n / 255, 1 / 255))
     return tuple(means), tuple(stds)
 
 

@@ -122,7 +122,6 @@ def launcher_words(launch: Launch) -> str:
     return "python"
 
 
-
 def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
@@ -145,6 +144,7 @@ class Job:
     claim: RunClaim | None = None
     logger: object = dataclasses.field(default_factory=NullLogger)
     run: TrainingRun | None = None
+    progress: Progress = dataclasses.field(default_factory=Progress)  # the run's, once resumed (a lost peer names its step)
     on_divergence: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def continue_command(self, **changes: str) -> str:
@@ -170,7 +170,8 @@ class Job:
                                                  changeable(type(recipe)), rt, run_dir)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
-            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps)
+            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes)
+        self.progress = progress
         if progress.finished and run_is_done(progress, epochs, max_steps):
             longer = {"epochs": str(epochs + 4)} if progress.epoch > epochs else {}
             if max_steps and progress.step >= max_steps:
@@ -218,7 +219,7 @@ class Job:
             if ckpt_path:
                 print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
                       f"requeued {launch.requeues}x)", flush=True)
-        self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, progress, loss_sums, epochs,
+        self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, classes, progress, loss_sums, epochs,
                                max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger)
         if save_here:
             self.run.checkpoint()
@@ -281,15 +282,17 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             code = 0
         except Stopped as stopped:  # (inside: a peer lost while stopping is a lost peer)
             code = job.stop_here(Path(str(stopped)))
+        except Diverged as err:  # (inside: a full disk while recording the advice is a storage problem)
+            raise Diverged(job.divergence_advice(err)) from None
     except UsageError as err:
         code = fail(err, who=who)
     except Diverged as err:
-        code = fail(job.divergence_advice(err), EXIT_DIVERGED, who)
+        code = fail(err, EXIT_DIVERGED, who)
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         code = fail("interrupted (Ctrl-C) before training started; nothing was saved", 128 + signal.SIGINT, who)
     except Exception as err:
         if is_lost_peer(err):
-            code = fail(lost_peer_message(err, job.run.progress if job and job.run else Progress()), EXIT_LOST_PEER, who)
+            code = fail(lost_peer_message(err, job.progress if job else Progress()), EXIT_LOST_PEER, who)
         elif problem := storage_problem(err, options):
             code = fail(problem, who=who)
         else:

@@ -68,9 +68,6 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-# A stop signal may come while torch is still being imported or while ranks wait for each
-
-
 @dataclass(frozen=True)
 class Launch:
     """Who this process is in the job, as the launcher said (nothing initialised yet)."""
@@ -208,7 +205,6 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
     if not 0 < launch.master_port < 65536 and launch.world_size > 1:
         raise UsageError(f"master port {launch.master_port} is not a TCP port; set MASTER_PORT to 1024-65535")
     return launch
-
 
 
 def record_exit(code: int, launch: Launch | None) -> None:

@@ -7,6 +7,7 @@ and image folders, into memory or a DataLoader."""
 
 import contextlib
 import fcntl
+import hashlib
 import io
 import os
 import shutil
@@ -24,6 +25,7 @@ from ddpkit.launch import PROG, UsageError
 from ddpkit.options import RunOptions
 
 REPOSITORY = Path(__file__).resolve().parent.parent
+STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (imagesets.py)
 
 
 class MNISTSample(MNIST):
@@ -169,27 +171,42 @@ def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
     return node_data_dir(run) or data_dir
 
 
+def tree_stamp(source: Path) -> str:
+    """A hash of every file's relative path, size and modification time under source/train
+    and source/test: it changes when the folder does."""
+    stamps = []
+    for part in ("train", "test"):
+        for folder, dirs, files in sorted(os.walk(source / part)):
+            dirs.sort()
+            for name in sorted(files):
+                stat = os.stat(os.path.join(folder, name))
+                stamps.append(f"{os.path.relpath(os.path.join(folder, name), source)}\t{stat.st_size}\t{stat.st_mtime_ns}\n")
+    return hashlib.sha256("".join(stamps).encode()).hexdigest()
+
+
 def copy_folder(source: Path, local: Path) -> bool:
-    """Copy an image folder's train/ and test/ to the node-local directory, unless a complete
-    copy is there already; True if it had to copy."""
+    """Copy an image folder's train/ and test/ (and its cached statistics) to the node-local
+    directory, unless a copy of the folder as it is now is there already; True if it copied."""
     missing = [part for part in ("train", "test") if not (source / part).is_dir()]
     if missing:
         raise UsageError(f"--data-dir {source} has no {missing[0]}/ folder: --dataset folder reads "
                          f"{source}/train/<class>/*.png|jpg and {source}/test/<class>/*")
-    done = local / ".copied-from"
-    if done.is_file() and done.read_text() == str(source.resolve()):
+    done, stamp = local / ".copied-from", f"{source.resolve()}\n{tree_stamp(source)}"
+    if done.is_file() and done.read_text() == stamp:
         return False
     with data_lock(local, "--node-data-dir"):
-        if done.is_file() and done.read_text() == str(source.resolve()):
+        if done.is_file() and done.read_text() == stamp:
             return False
         try:
             for part in ("train", "test"):
                 with tempfile.TemporaryDirectory(dir=local, prefix=".staging-") as staging:
-                    shutil.copytree(source / part, Path(staging, part))
+                    shutil.copytree(source / part, Path(staging, part))  # (copy2: sizes and times kept)
                     if (local / part).exists():
                         shutil.rmtree(local / part)
                     os.replace(Path(staging, part), local / part)
-            done.write_text(str(source.resolve()))
+            if (source / STATS_FILE).is_file():
+                shutil.copy2(source / STATS_FILE, local / STATS_FILE)
+            done.write_text(stamp)
         except OSError as err:
             raise UsageError(f"cannot copy {source} into the node-local {local} ({err.strerror or err}); free space "
                              "there or pass another --node-data-dir") from None

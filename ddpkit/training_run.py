@@ -41,9 +41,10 @@ class EpochLoss:
 
 class TrainingRun:
     def __init__(self, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path, state: Mapping[str, object],
-                 saved_options: dict, progress: Progress, loss_sums: torch.Tensor, epochs: int, max_steps: int,
-                 steps_per_epoch: int, schedule_offset: int, total_steps: int, logger):
+                 saved_options: dict, classes: tuple[str, ...], progress: Progress, loss_sums: torch.Tensor, epochs: int,
+                 max_steps: int, steps_per_epoch: int, schedule_offset: int, total_steps: int, logger):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
+        self.classes = classes
         self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
         self.epochs, self.max_steps, self.steps_per_epoch = epochs, max_steps, steps_per_epoch
         # The learning-rate schedule runs in this world size's steps (schedule_step of
@@ -146,8 +147,8 @@ class TrainingRun:
     def checkpoint(self) -> Path:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
-        path = save_checkpoint(self.run_dir, self.saved_options, self.state, self.rt, self.progress, self.loss.sums,
-                               self.options.keep_ckpts)
+        path = save_checkpoint(self.run_dir, self.saved_options, self.classes, self.state, self.rt, self.progress,
+                               self.loss.sums, self.options.keep_ckpts)
         self.clock.reset()
         return path
 

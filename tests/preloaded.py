@@ -36,9 +36,10 @@ def run_script(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch loaded, in the server: apply it here
-        import torch
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # OpenMP read OMP_NUM_THREADS when torch loaded, in the server: apply this run's, or the
+    # default of a process started afresh (the CPUs it may use).
+    import torch
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     sys.argv = ["-c" if code else script, *args]
     status = 0
     try:
@@ -79,6 +80,7 @@ class Run:
         self.process.join(timeout)
         if self.process.exitcode is None:
             self.kill()
+            self.files.cleanup()
             raise subprocess.TimeoutExpired(self.args, timeout)
         with self.files:
             out, err = (Path(path).read_text(errors="replace") for path in (self.out, self.err))

@@ -51,12 +51,13 @@ def take_a_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def save(run_dir, step: int, recipe: dict = RECIPE, keep: int = 10, state: dict | None = None,
-         loss_sum: torch.Tensor | None = None):
+         loss_sum: torch.Tensor | None = None, classes: tuple[str, ...] = ("cat", "dog")):
     if state is None:
         model, optimizer = model_and_optimizer()
         state = {"model": model, "optimizer": optimizer, "average": None}
     loss_sum = torch.zeros(2, dtype=torch.float64) if loss_sum is None else loss_sum
-    return save_checkpoint(run_dir, recipe, state, ONE, Progress(epoch=1, step_in_epoch=step, step=step), loss_sum, keep)
+    return save_checkpoint(run_dir, recipe, classes, state, ONE, Progress(epoch=1, step_in_epoch=step, step=step), loss_sum,
+                           keep)
 
 
 def names(folder) -> list[str]:
@@ -294,3 +295,18 @@ def test_resume_from_refuses_a_thing_the_checkpoint_does_not_hold(tmp_path):
         resume_from(path, {"model": model, "average": model_and_optimizer()[0]}, ONE, epochs=3, max_steps=0)
     assert str(refused.value) == (f"checkpoint {path} holds no average: the recipe's code changed since it was saved. "
                                   "Pass another --run-name to train afresh, or undo the change to resume this run")
+
+
+def test_resume_from_refuses_a_checkpoint_of_other_classes(tmp_path):
+    """Another image folder (a class added, renamed or in another order) would silently
+    relabel the data or fail as an unfitting model: one line says what differs instead."""
+    path = save(tmp_path, 2, classes=("cat", "dog"))
+    model, optimizer = model_and_optimizer()
+    with pytest.raises(UsageError) as refused:
+        resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3, max_steps=0,
+                    classes=("dog", "cat"))
+    assert str(refused.value) == (f"checkpoint {path} was trained on other classes (cat, dog) than this data has (dog, "
+                                  "cat): pass the data it was trained on, or another --run-name to start afresh")
+    progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3,
+                              max_steps=0, classes=("cat", "dog"))
+    assert progress.step == 2

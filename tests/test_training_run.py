@@ -45,7 +45,7 @@ def make_run(tmp_path, stop, *, ckpt_every=2, epochs=2, max_steps=0, steps_per_e
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     options = RunOptions(ckpt_every=ckpt_every, ckpt_minutes=0, keep_ckpts=10)
     return TrainingRun(options, ONE, stop, tmp_path, {"model": model, "optimizer": optimizer}, {"lr": 0.01},
-                       progress or Progress(), torch.zeros(2, dtype=torch.float64), epochs, max_steps, steps_per_epoch,
+                       ("a", "b"), progress or Progress(), torch.zeros(2, dtype=torch.float64), epochs, max_steps, steps_per_epoch,
                        schedule_offset, epochs * steps_per_epoch, NullLogger())
 
 
