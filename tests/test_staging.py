@@ -2,7 +2,8 @@
 that serves the bundled sample's files under MNIST's names (the tests supply their
 checksums): one rank downloads behind the barrier while the other waits, two jobs
 sharing a data directory take turns, and a missing network or a corrupt file ends in
-one actionable line on every rank, with nothing half-written left behind.
+one actionable line on every rank, with nothing half-written left behind. An image folder
+is copied to a node-local directory with its cached statistics, and again once it changed.
 
     python -m pytest tests/test_staging.py
 """
@@ -16,8 +17,9 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
-from conftest import SAMPLE, assert_ok, clean_env, free_port, read_metrics, run_as_srun, run_single
+from conftest import SAMPLE, assert_ok, clean_env, free_port, make_image_folder, read_metrics, run_as_srun, run_single
 
 FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
 # torchvision sends two GETs per file: one that follows redirects, one for the data.
@@ -148,3 +150,24 @@ def test_node_local_data_dir_is_expanded_on_the_node(workdir):
     unset = run_single(args, cwd=workdir)
     assert unset.returncode == 2
     assert "--node-data-dir $MY_SCRATCH/data: $MY_SCRATCH/data names a variable that is not set on " in unset.stderr
+
+
+def test_image_folder_copy_to_the_node_carries_the_statistics_and_follows_changes(tmp_path, capsys):
+    """--node-data-dir with --dataset folder: the first copy brings train/, test/ and the
+    cached statistics (so no node measures the pixels again); an unchanged folder is not
+    copied twice; a folder that changed since (an image added) is copied anew."""
+    from ddpkit.imagesets import load_folder
+    from ddpkit.staging import STATS_FILE, copy_folder
+    shared = make_image_folder(tmp_path / "shared", {"train": 2, "test": 1}, size=8)
+    load_folder(shared, "memory", torch.device("cpu"))  # measures once, caching beside the data
+    local = tmp_path / "node"
+    assert copy_folder(shared, local) is True
+    assert (local / STATS_FILE).read_bytes() == (shared / STATS_FILE).read_bytes()
+    assert sorted(p.name for p in (local / "train" / "row").iterdir()) == ["000.png", "001.png"]
+    capsys.readouterr()
+    load_folder(local, "memory", torch.device("cpu"))
+    assert "measuring the pixels" not in capsys.readouterr().out  # the copied cache is current there
+    assert copy_folder(shared, local) is False
+    (shared / "train" / "row" / "002.png").write_bytes((shared / "train" / "row" / "000.png").read_bytes())
+    assert copy_folder(shared, local) is True
+    assert (local / "train" / "row" / "002.png").is_file()
