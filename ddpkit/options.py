@@ -173,17 +173,20 @@ def parse_options(recipe_class: type, argv: list[str], manual: str = ""):
 
 
 def option_args(*options, leave_out: tuple[str, ...] = ()) -> list[str]:
-    """The options (dataclass instances) that differ from their defaults, as command-line arguments."""
+    """The options (dataclass instances) that differ from their defaults, as command-line
+    arguments, in the order --help lists them (its groups: data first, as the recipe's
+    dataset and the data directories)."""
+    fields = [(instance, f) for instance in options for f in dataclasses.fields(instance)]
+    groups = list(dict.fromkeys(f.metadata.get("group", "options") for _, f in fields))
     args = []
-    for instance in options:
-        for f in dataclasses.fields(instance):
-            value = getattr(instance, f.name)
-            if f.name in leave_out or value == f.default:
-                continue
-            if isinstance(value, bool):
-                args.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
-            else:
-                text = repr(value) if isinstance(value, float) else str(value)
-                # A value that starts with a dash would read as an option of its own.
-                args += [f"{flag(f.name)}={text}"] if text.startswith("-") else [flag(f.name), text]
+    for instance, f in sorted(fields, key=lambda pair: groups.index(pair[1].metadata.get("group", "options"))):
+        value = getattr(instance, f.name)
+        if f.name in leave_out or value == f.default:
+            continue
+        if isinstance(value, bool):
+            args.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
+        else:
+            text = repr(value) if isinstance(value, float) else str(value)
+            # A value that starts with a dash would read as an option of its own.
+            args += [f"{flag(f.name)}={text}"] if text.startswith("-") else [flag(f.name), text]
     return args

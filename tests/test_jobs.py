@@ -50,13 +50,13 @@ def test_launcher_words(launch, words):
 @pytest.mark.parametrize("launch", [SINGLE, TORCHRUN_1_NODE, TORCHRUN_2_NODES, SLURM])
 def test_continue_command_starts_the_same_ranks_from_the_run_options(launch):
     command = continue_command(RECIPE, OPTIONS, launch, Path("logs/exp-1"))
-    assert command == (f"{launcher_words(launch)} mnist_ddp.py --epochs 3 --lr 0.01 --data-dir /shared/data --amp "
+    assert command == (f"{launcher_words(launch)} mnist_ddp.py --data-dir /shared/data --epochs 3 --lr 0.01 --amp "
                        "--log-dir logs --run-name exp-1")
 
 
 def test_continue_command_adds_the_changes_at_the_end():
     command = continue_command(RECIPE, OPTIONS, SINGLE, Path("logs/exp-1"), lr="0.00333", allow_changes="")
-    assert command == ("python mnist_ddp.py --epochs 3 --data-dir /shared/data --amp --log-dir logs --run-name exp-1 "
+    assert command == ("python mnist_ddp.py --data-dir /shared/data --epochs 3 --amp --log-dir logs --run-name exp-1 "
                        "--lr 0.00333 --allow-changes")
 
 
@@ -64,7 +64,7 @@ def test_continue_command_under_the_batch_file(monkeypatch):
     monkeypatch.setenv("MNIST_DDP_RESUBMIT", RESUBMIT)
     command = continue_command(RECIPE, OPTIONS, SLURM, Path("logs/exp-1"), epochs="7", allow_changes="")
     # The batch file passes LOG_DIR and RUN_NAME itself (and refuses them after its name).
-    assert command == f"{RESUBMIT} --lr 0.01 --data-dir /shared/data --amp --epochs 7 --allow-changes"
+    assert command == f"{RESUBMIT} --data-dir /shared/data --lr 0.01 --amp --epochs 7 --allow-changes"
     unnamed = RunOptions(log_dir="logs")
     assert continue_command(Recipe(), unnamed, SLURM, Path("logs/job-77")) == RESUBMIT
     assert continue_command(Recipe(), RunOptions(run_dir="/scratch/x"), SLURM, Path("/scratch/x")) == RESUBMIT
