@@ -23,7 +23,7 @@ SAMPLE = ROOT / "data" / "mnist-sample"
 sys.path.insert(0, str(ROOT))
 
 # Tests that start a local Slurm cluster, network namespaces or sshd: `make test` runs
-# them all; `pytest -m "not slurm"` runs the rest, within a few minutes.
+# them all; `pytest -m "not slurm"` runs the rest (about 11 minutes on 2 cores).
 SLURM_FIXTURES = {"one_node", "two_nodes", "three_nodes", "network"}
 SLURM_MODULES = ("test_slurm", "test_tunnel")
 
