@@ -7,7 +7,6 @@ Also the per-batch image arithmetic that both feeds share: standardising and shi
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from torchvision.datasets import MNIST
 
 from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
-from ddpkit.staging import STATS_FILE, data_lock, dataset_class, raw_files
+from ddpkit.staging import STATS_FILE, data_lock, dataset_class, files_stamp, raw_files
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -137,8 +136,8 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
     """(train, test) of --dataset (a name of staging.DATASET_CLASSES, or "folder") staged in
     data_dir, fed as --data-feed `wanted` says (each rank decides; the first of each node says how)."""
     if dataset == "folder":
-        size = folder_bytes(data_dir)
-        load = functools.partial(load_folder, data_dir, verbose=rt.is_main)
+        listing, facts = read_folder(data_dir, verbose=rt.is_main)
+        size, load = folder_bytes(listing, facts), functools.partial(folder_image_sets, listing, facts)
     else:
         cls = dataset_class(dataset)
         size, load = mnist_like_bytes(cls, data_dir), functools.partial(load_mnist_like, cls, data_dir)
@@ -246,25 +245,26 @@ class FolderFacts:
     std: tuple[float, ...]
 
 
-def folder_bytes(root: Path) -> int:
-    """uint8 bytes of both splits' images, for choose_feed before load_folder: from the
-    statistics cache when it is current, else from every image's header."""
-    listing = list_folder(root)
-    facts = read_stats_cache(root, listing.fingerprint)
-    shape = facts.shape if facts else check_headers(listing)
-    return (len(listing.train) + len(listing.test)) * math.prod(shape)
-
-
-def load_folder(root: Path, feed: str, device: torch.device, lock_dir: Path | None = None,
-                verbose: bool = True) -> tuple[ImageSet, ImageSet]:
-    """(train, test) from ROOT/train/<class>/* and ROOT/test/<class>/* (PNG and JPEG, all of
-    one size). `verbose` (say, rank 0 only) prints the warnings and the one-off statistics line."""
-    check_feed(feed)
+def read_folder(root: Path, lock_dir: Path | None = None, verbose: bool = True) -> tuple[FolderListing, FolderFacts]:
+    """The images of ROOT/train/<class>/* and ROOT/test/<class>/* (PNG and JPEG, all of one
+    size), and their shape and statistics (cached, or measured once). `verbose` (say, rank 0
+    only) prints the warnings and the one-off statistics line."""
     listing = list_folder(root)
     if listing.ignored and verbose:
         print(f"warning: ignored {len(listing.ignored)} file(s) in {root} that are not PNG or JPEG, e.g. "
               f"{listing.ignored[0]}", file=sys.stderr, flush=True)
-    facts = folder_facts(root, listing, lock_dir, verbose)
+    return listing, folder_facts(root, listing, lock_dir, verbose)
+
+
+def folder_bytes(listing: FolderListing, facts: FolderFacts) -> int:
+    """uint8 bytes of both splits' images, for choose_feed before the images are read."""
+    return (len(listing.train) + len(listing.test)) * math.prod(facts.shape)
+
+
+def folder_image_sets(listing: FolderListing, facts: FolderFacts, feed: str,
+                      device: torch.device) -> tuple[ImageSet, ImageSet]:
+    """(train, test) of a read folder, decoded into memory or streamed from the files."""
+    check_feed(feed)
 
     def image_set(files: list[tuple[str, int]]) -> ImageSet:
         labels = torch.tensor([label for _, label in files], dtype=torch.int64, device=device)
@@ -274,6 +274,12 @@ def load_folder(root: Path, feed: str, device: torch.device, lock_dir: Path | No
         return ImageSet(labels, None, reader, listing.classes, facts.mean, facts.std)
 
     return image_set(listing.train), image_set(listing.test)
+
+
+def load_folder(root: Path, feed: str, device: torch.device, lock_dir: Path | None = None,
+                verbose: bool = True) -> tuple[ImageSet, ImageSet]:
+    """(train, test) from an image folder: read_folder, then folder_image_sets."""
+    return folder_image_sets(*read_folder(root, lock_dir, verbose), feed, device)
 
 
 def layout_hint(root: Path) -> str:
@@ -290,7 +296,7 @@ def list_folder(root: Path) -> FolderListing:
     if not train_dirs:
         raise UsageError(f"{root / 'train'} has no class folders: {layout_hint(root)}")
     classes = tuple(path.name for path in train_dirs)
-    train, test, stamps = [], [], []
+    train, test = [], []
     for label, class_dir in enumerate(train_dirs):
         found = image_files(class_dir, ignored)
         if not found:
@@ -303,10 +309,7 @@ def list_folder(root: Path) -> FolderListing:
         test += [(path, classes.index(class_dir.name)) for path in image_files(class_dir, ignored)]
     if not test:
         raise UsageError(f"{root / 'test'} holds no PNG or JPEG images: put the test images in {root}/test/<class>/")
-    for path, _ in train + test:
-        stat = os.stat(path)
-        stamps.append(f"{os.path.relpath(path, root)}\t{stat.st_size}\t{stat.st_mtime_ns}\n")
-    fingerprint = hashlib.sha256("".join(stamps).encode()).hexdigest()
+    fingerprint = files_stamp([path for path, _ in train + test], root)
     return FolderListing(classes, train, test, fingerprint, ignored)
 
 

@@ -171,17 +171,24 @@ def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
     return node_data_dir(run) or data_dir
 
 
-def tree_stamp(source: Path) -> str:
-    """A hash of every file's relative path, size and modification time under source/train
-    and source/test: it changes when the folder does."""
+def files_stamp(paths: list[str], root: Path) -> str:
+    """A hash of each file's path relative to root, size and modification time: it changes
+    when any of them does (imagesets' statistics cache and the node-local copy go by it)."""
     stamps = []
+    for path in paths:
+        stat = os.stat(path)
+        stamps.append(f"{os.path.relpath(path, root)}\t{stat.st_size}\t{stat.st_mtime_ns}\n")
+    return hashlib.sha256("".join(stamps).encode()).hexdigest()
+
+
+def tree_stamp(source: Path) -> str:
+    """files_stamp of every file under source/train and source/test."""
+    paths = []
     for part in ("train", "test"):
         for folder, dirs, files in sorted(os.walk(source / part)):
             dirs.sort()
-            for name in sorted(files):
-                stat = os.stat(os.path.join(folder, name))
-                stamps.append(f"{os.path.relpath(os.path.join(folder, name), source)}\t{stat.st_size}\t{stat.st_mtime_ns}\n")
-    return hashlib.sha256("".join(stamps).encode()).hexdigest()
+            paths += [os.path.join(folder, name) for name in sorted(files)]
+    return files_stamp(paths, source)
 
 
 def copy_folder(source: Path, local: Path) -> bool:
