@@ -45,6 +45,7 @@ from ddpkit.launch import (
     read_launch_env,
     record_exit,
     unfixable_exit,
+    write_exit_file,
 )
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
@@ -125,9 +126,8 @@ def launcher_words(launch: Launch) -> str:
 def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
-    if launch.exit_dir and os.environ.get("MNIST_DDP_RESUBMIT"):
-        Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
-        Path(launch.exit_dir, "continue-command").write_text(command + "\n")
+    if os.environ.get("MNIST_DDP_RESUBMIT"):
+        write_exit_file(launch, "continue-command", command + "\n")
 
 
 @dataclasses.dataclass

@@ -207,13 +207,20 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
     return launch
 
 
+def write_exit_file(launch: Launch, name: str, text: str) -> None:
+    """Leave a file for run_training.sbatch in its per-job folder (MNIST_DDP_EXIT_DIR), if
+    there is one: rank-<r> (the exit code), continue-command, run-dir-taken."""
+    if launch.exit_dir:
+        Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+        Path(launch.exit_dir, name).write_text(text)
+
+
 def record_exit(code: int, launch: Launch | None) -> None:
     """Leave this rank's exit code where run_training.sbatch reads it: it restarts after
     a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
-    if launch and launch.exit_dir:
+    if launch:
         with contextlib.suppress(OSError):
-            Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
-            Path(launch.exit_dir, f"rank-{launch.rank}").write_text(f"{code}\n")
+            write_exit_file(launch, f"rank-{launch.rank}", f"{code}\n")
 
 
 def unfixable_exit(launch: Launch) -> tuple[int, str]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ddpkit.distributed import Runtime, broadcast_from_main
-from ddpkit.launch import Launch, UsageError
+from ddpkit.launch import Launch, UsageError, write_exit_file
 from ddpkit.options import RunOptions
 from ddpkit.recovery import storage_problem
 
@@ -91,9 +91,8 @@ def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime) -> tuple[Path
             choice = [str(claim.run_dir), ""]
         except UsageError as err:
             choice = ["", str(err)]
-            if isinstance(err, RunDirTaken) and launch.exit_dir:  # so the batch file leaves that run's files alone
-                Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
-                Path(launch.exit_dir, "run-dir-taken").touch()
+            if isinstance(err, RunDirTaken):  # so the batch file leaves that run's files alone
+                write_exit_file(launch, "run-dir-taken", "")
         except OSError as err:  # a log directory that is a file, read-only or full
             choice = ["", storage_problem(err, config)]
             if not choice[1]:
