@@ -22,7 +22,24 @@ from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
 from ddpkit.launch import UsageError
 from ddpkit.options import flag
 
-TEMPORARY_SUFFIX = ".tmp-"  # save_atomic writes .NAME.tmp-PID beside NAME
+TEMPORARY_SUFFIX = ".tmp-"  # save_atomic and replace_text write .NAME.tmp-PID beside NAME
+
+
+def temporary_beside(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TEMPORARY_SUFFIX}{os.getpid()}")
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`: a reader
+    or a kill never meets half of it. A failed write removes its temporary file."""
+    tmp = temporary_beside(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -32,7 +49,7 @@ def save_atomic(obj, path: Path) -> None:
     A failed write removes its temporary file (left there, it would keep a full disk full
     for every later attempt) and raises an OSError that names `path`: torch.save reports a
     full disk as a RuntimeError raised while handling it, and a write's OSError names no file."""
-    tmp = path.with_name(f".{path.name}{TEMPORARY_SUFFIX}{os.getpid()}")
+    tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as fh:
             torch.save(obj, fh)

@@ -23,6 +23,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import MNIST
 
+from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
 from ddpkit.staging import STATS_FILE, data_lock, dataset_class, files_stamp, raw_files
@@ -438,14 +439,10 @@ def read_stats_cache(root: Path, fingerprint: str) -> FolderFacts | None:
 
 def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
     """Write the cache atomically (a reader never sees half of it); "" or why it failed."""
-    path, temporary = root / STATS_FILE, root / f"{STATS_FILE}.tmp-{os.getpid()}"
     try:
-        temporary.write_text(json.dumps({"format": STATS_FORMAT, "fingerprint": fingerprint, "shape": facts.shape,
-                                         "mean": facts.mean, "std": facts.std}) + "\n")
-        os.replace(temporary, path)
+        replace_text(root / STATS_FILE, json.dumps({"format": STATS_FORMAT, "fingerprint": fingerprint,
+                                                     "shape": facts.shape, "mean": facts.mean, "std": facts.std}) + "\n")
     except OSError as err:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
         return err.strerror or str(err)
     return ""
 

@@ -21,7 +21,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from torch.utils.tensorboard import SummaryWriter
 
-from ddpkit.checkpoints import TEMPORARY_SUFFIX
+from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime, all_reduce
 from ddpkit.launch import Launch
 
@@ -198,9 +198,7 @@ class RunLogger:
         # or rewound.
         metrics_path = run_dir / "metrics.jsonl"
         records = [r for r in read_metrics_tolerantly(metrics_path) if r["step"] <= resumed_step]
-        rewritten = metrics_path.with_name(f".{metrics_path.name}{TEMPORARY_SUFFIX}{os.getpid()}")  # a kill loses no line
-        rewritten.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(rewritten, metrics_path)
+        replace_text(metrics_path, "".join(json.dumps(r) + "\n" for r in records))  # a kill loses no line
         # Training time so far and when the best epoch came, over every attempt of the run.
         self.elapsed, self.best, self.to_best = 0.0, -1.0, 0.0
         for record in records:
