@@ -83,11 +83,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
 
 from ddpkit import imagesets, jobs, staging
 from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
 from ddpkit.imagesets import ImageSet, normalize, shift_images
+from ddpkit.optimizer import FusedAdamW
 from ddpkit.options import RunOptions, need, option
 from ddpkit.runlog import HParams
 from ddpkit.training_run import TrainingRun
@@ -112,7 +112,10 @@ class Recipe:
                           choices=DATASETS)
     model: str = option("cnn", "network to train", "training", choices=MODELS)
     epochs: int = option(8, "passes over the training set", "training", changeable=True)
-    batch_size: int = option(128, "images per step per rank; the global batch is this times the world size", "training")
+    global_batch: int = option(128, "images per optimiser step over all ranks, split evenly among them, so that 1 or 16 "
+                               "ranks train the same model", "training")
+    batch_size: int = option(0, "images per step per rank instead (weak scaling): the global batch grows with the ranks, "
+                             "and --lr should grow with it (docs/defaults.md) (0: --global-batch / ranks)", "training")
     lr: float = option(3e-3, "peak learning rate of the one-cycle schedule (AdamW)", "training", changeable=True)
     weight_decay: float = option(5e-4, "AdamW weight decay", "training", changeable=True)
     dropout: float = option(0.0, "dropout before the classifier (cnn, mlp)", "training")
@@ -128,7 +131,8 @@ class Recipe:
 
     def check(self) -> None:
         need(self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}")
-        need(self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}")
+        need(self.global_batch >= 1, f"--global-batch must be at least 1, got {self.global_batch}")
+        need(self.batch_size >= 0, f"--batch-size must be 0 (from --global-batch) or more, got {self.batch_size}")
         need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
              f"--weight-decay must be 0 or more, got {self.weight_decay}")
@@ -139,15 +143,26 @@ class Recipe:
         need(-SEED_LIMIT <= self.seed <= SEED_LIMIT, f"--seed must be from -{SEED_LIMIT} to {SEED_LIMIT}, got {self.seed}")
         need(self.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {self.max_steps}")
 
+    def per_rank_batch(self, world_size: int) -> int:
+        """Each rank's share of the global batch (or --batch-size, when given)."""
+        if self.batch_size:
+            return self.batch_size
+        lower, higher = self.global_batch // world_size * world_size, -(-self.global_batch // world_size) * world_size
+        need(lower == self.global_batch, f"--global-batch {self.global_batch} does not split evenly among {world_size} "
+             f"ranks; pass --global-batch {' or '.join(str(n) for n in (lower, higher) if n)} (a multiple of "
+             f"{world_size}), or --batch-size N for N images per rank")
+        return self.global_batch // world_size
+
 
 # The HParams tab lists these first (a sweep lists what it varies first instead).
-SHOWN_FIRST = ("lr", "batch_size", "global_batch", "weight_decay", "epochs")
+SHOWN_FIRST = ("lr", "global_batch", "batch_size", "weight_decay", "epochs")
 
 
 def hparams(recipe: Recipe, options: RunOptions, world_size: int, first: tuple[str, ...] = SHOWN_FIRST) -> HParams:
     """What TensorBoard's HParams tab shows of a run: the recipe, the global batch, the world size and --amp."""
-    values = {**dataclasses.asdict(recipe), "global_batch": recipe.batch_size * world_size, "world_size": world_size,
-              "amp": options.amp}
+    batch = recipe.per_rank_batch(world_size)
+    values = {**dataclasses.asdict(recipe), "batch_size": batch, "global_batch": batch * world_size,
+              "world_size": world_size, "amp": options.amp}
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(Recipe) if "choices" in f.metadata}
     return HParams(values, first, choices)
 
@@ -220,6 +235,8 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
                              nn.Dropout(recipe.dropout), nn.Linear(512, 512), nn.ReLU(inplace=True),
                              nn.Dropout(recipe.dropout), nn.Linear(512, classes))
     # ResNet18 for small images: a 3x3 stem of stride 1 and no max-pool, so 28x28 is not shrunk to 7x7 at once.
+    import torchvision  # here, not at the top: importing it costs seconds that the other models need not wait
+
     net = torchvision.models.resnet18(num_classes=classes)
     net.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
@@ -239,10 +256,10 @@ def build_training(recipe: Recipe, options: RunOptions, rt: Runtime, data: Image
     average = WeightAverage(raw_model, recipe.ema) if recipe.ema else None
     torch.manual_seed(recipe.seed + rt.rank)  # dropout differs per rank, as its data does
     # beta2 0.99 instead of 0.999: the step sizes adapt within ~100 steps, not ~1,000 (docs/defaults.md).
-    # fused: one pass over all the weights instead of a loop of small ops per tensor (on 2 CPU cores
-    # the update takes 0.5 ms instead of 1.4 ms, a tenth of the step; on a GPU, one kernel).
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=recipe.lr, betas=(0.9, 0.99),
-                                  weight_decay=recipe.weight_decay, fused=rt.device.type in ("cpu", "cuda"))
+    # FusedAdamW is torch.optim.AdamW(fused=True), bit for bit: one pass over all the weights (on 2 CPU
+    # cores 0.5 ms instead of 1.4 ms, a tenth of the step; on a GPU, one kernel), without the seconds
+    # torch.optim takes to import torch._dynamo at start-up. Any torch.optim optimizer also works here.
+    optimizer = FusedAdamW(raw_model.parameters(), lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay)
     return model, raw_model, optimizer, average
 
 
@@ -360,7 +377,7 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
 
     while not run.done():
         run.epoch_begins()
-        epoch, size = run.progress.epoch, recipe.batch_size
+        epoch, size = run.progress.epoch, recipe.per_rank_batch(rt.world_size)
         shard = epoch_shard(len(train_set), epoch, recipe.seed, rt.rank, rt.world_size).to(rt.device)
         shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
         shifts = shifts if shifts is None else shifts.to(rt.device)
@@ -384,14 +401,16 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
 def prepare_and_train(job: jobs.Job) -> None:
     """This process's part of the job: data, model, the run (resumed where it stopped), the loop."""
     recipe, options, rt = job.recipe, job.options, job.rt
-    data_dir = staging.stage(options, recipe.dataset, rt)
-    if options.download_only:
-        print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
-        return
-    train_set, test_set = read_data(recipe, options, data_dir, job)
+    batch_size = recipe.per_rank_batch(rt.world_size)  # (first: a global batch that does not split stops here)
+    with job.startup.phase("data"):  # (for the `ready in` line at the first step)
+        data_dir = staging.stage(options, recipe.dataset, rt)
+        if options.download_only:
+            print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
+            return
+        train_set, test_set = read_data(recipe, options, data_dir, job)
     model, raw_model, optimizer, average = build_training(recipe, options, rt, train_set)
     run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},
-                        images_per_rank=len(train_set) // rt.world_size, batch_size=recipe.batch_size,
+                        images_per_rank=len(train_set) // rt.world_size, batch_size=batch_size,
                         epochs=recipe.epochs, max_steps=recipe.max_steps, hparams=hparams(recipe, options, rt.world_size),
                         classes=train_set.classes, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
     train(run, recipe, options, rt, model, raw_model, optimizer, average, train_set, test_set)

@@ -87,7 +87,8 @@ def reference(args) -> None:
             return F.log_softmax(self.fc2(x), dim=1)
 
     torch.manual_seed(0)
-    cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": __import__("ddpkit.staging").staging.MNISTSample}[args.dataset]
+    from ddpkit import staging
+    cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": staging.fetcher(staging.MNIST_SAMPLE)}[args.dataset]
     train = cls(args.data_dir, train=True, transform=transforms.ToTensor())
     test = cls(args.data_dir, train=False, transform=transforms.ToTensor())
     train_loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True)

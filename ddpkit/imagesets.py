@@ -1,5 +1,5 @@
-"""Image sets: one split of a data set as the training loop indexes it, read from torchvision's
-MNIST-like files or from an image folder (train/<class>/*, test/<class>/*), and fed either from
+"""Image sets: one split of a data set as the training loop indexes it, read from the
+MNIST-like IDX files or from an image folder (train/<class>/*, test/<class>/*), and fed either from
 memory (one uint8 tensor on the device, indexed per step) or streamed by a DataLoader that
 decodes each batch's files, for data that does not fit. Both feeds give the same pixels.
 
@@ -21,16 +21,15 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision.datasets import MNIST
 
 from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
-from ddpkit.staging import STATS_FILE, data_lock, dataset_class, files_stamp, raw_files
+from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, data_lock, files_stamp
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
-# keyed by torchvision class name (a --data-mirror subclass keeps the name).
+# keyed by the staged folder's name.
 MNIST_STATS = {"MNIST": ((0.1307,), (0.3081,)), "MNISTSample": ((0.1307,), (0.3081,)),
                "FashionMNIST": ((0.2860,), (0.3530,))}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -140,8 +139,8 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
         listing, facts = read_folder(data_dir, verbose=rt.is_main)
         size, load = folder_bytes(listing, facts), functools.partial(folder_image_sets, listing, facts)
     else:
-        cls = dataset_class(dataset)
-        size, load = mnist_like_bytes(cls, data_dir), functools.partial(load_mnist_like, cls, data_dir)
+        spec = MNIST_LIKE[dataset]
+        size, load = mnist_like_bytes(spec, data_dir), functools.partial(load_mnist_like, spec, data_dir)
     feed, reason = choose_feed(wanted, size, ranks_on_node, rt.device)
     if rt.local_rank == 0:
         print(f"[rank {rt.rank}] data: {reason}", flush=True)
@@ -196,34 +195,47 @@ def human_bytes(n: float) -> str:
 
 # ----------------------------------------------------------------------------- MNIST-like sets
 
-def mnist_like_bytes(cls: type[MNIST], data_dir: Path) -> int:
+def mnist_like_bytes(spec: MNISTLike, data_dir: Path) -> int:
     """uint8 bytes of both splits' images, from the staged IDX files' sizes (16-byte headers)."""
-    raw = data_dir / cls.__name__ / "raw"
-    return sum((raw / name).stat().st_size - 16 for name in raw_files(cls) if "images" in name)
+    return sum((spec.raw(data_dir) / name).stat().st_size - 16 for name in RAW_FILES if "images" in name)
 
 
-def load_mnist_like(cls: type[MNIST], data_dir: Path, feed: str, device: torch.device) -> tuple[ImageSet, ImageSet]:
-    """(train, test) of a torchvision MNIST-family data set staged in DATA_DIR/<Name>/raw."""
+def load_mnist_like(spec: MNISTLike, data_dir: Path, feed: str, device: torch.device) -> tuple[ImageSet, ImageSet]:
+    """(train, test) of an MNIST-like data set staged in DATA_DIR/<Name>/raw."""
     check_feed(feed)
-    train, test = (read_mnist_split(cls, data_dir, part) for part in (True, False))
-    mean, std = MNIST_STATS.get(cls.__name__) or stats_from_histograms(channel_histograms(train.data.unsqueeze(1)))
-    classes = tuple(cls.classes)
-
-    def image_set(ds: MNIST) -> ImageSet:
-        images = ds.data.unsqueeze(1).contiguous()  # [N, 1, 28, 28]
-        if feed == "memory":
-            return ImageSet(ds.targets.to(device), images.to(device), None, classes, mean, std)
-        return ImageSet(ds.targets.to(device), None, TensorReader(images), classes, mean, std)
-
-    return image_set(train), image_set(test)
-
-
-def read_mnist_split(cls: type[MNIST], data_dir: Path, train: bool) -> MNIST:
+    raw = spec.raw(data_dir)
     try:
-        return cls(str(data_dir), train=train, download=False)
-    except Exception as err:  # torchvision raises several kinds for damaged files
-        raise UsageError(f"cannot read {data_dir / cls.__name__ / 'raw'} ({type(err).__name__}: {err}); "
-                         "delete that folder and run again to fetch it anew") from None
+        train_images, train_labels, test_images, test_labels = (read_idx(raw / name) for name in RAW_FILES)
+        for images, labels in ((train_images, train_labels), (test_images, test_labels)):
+            if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
+                raise ValueError(f"{len(images)} images of {list(images.shape[1:])} and {len(labels)} labels")
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read {raw} ({type(err).__name__}: {err}); delete that folder and run again to fetch "
+                         "it anew") from None
+    mean, std = MNIST_STATS.get(spec.name) or stats_from_histograms(channel_histograms(train_images.unsqueeze(1)))
+
+    def image_set(images: torch.Tensor, labels: torch.Tensor) -> ImageSet:
+        images, labels = images.unsqueeze(1).contiguous(), labels.long()  # [N, 1, 28, 28]
+        if feed == "memory":
+            return ImageSet(labels.to(device), images.to(device), None, spec.classes, mean, std)
+        return ImageSet(labels.to(device), None, TensorReader(images), spec.classes, mean, std)
+
+    return image_set(train_images, train_labels), image_set(test_images, test_labels)
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An unsigned-byte IDX file (the MNIST format): a 4-byte magic number 0x0000080D, whose
+    last byte D is the number of dimensions, D big-endian 4-byte sizes, then the bytes."""
+    data = path.read_bytes()
+    if len(data) < 4 or data[:3] != b"\0\0\x08":
+        raise ValueError(f"{path.name} is not an unsigned-byte IDX file")
+    dims = data[3]
+    shape = [int.from_bytes(data[4 + 4 * k: 8 + 4 * k], "big") for k in range(dims)]
+    start = 4 + 4 * dims
+    if len(data) != start + math.prod(shape):
+        raise ValueError(f"{path.name} holds {len(data) - start} bytes after its header, not the {math.prod(shape)} of "
+                         f"{shape}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=start).view(shape)
 
 
 # ----------------------------------------------------------------------------- image folders

@@ -39,6 +39,7 @@ from ddpkit.launch import (
     AlreadyComplete,
     Diverged,
     Launch,
+    StartupClock,
     Stopped,
     StopSignals,
     UsageError,
@@ -146,6 +147,7 @@ class Job:
     run: TrainingRun | None = None
     progress: Progress = dataclasses.field(default_factory=Progress)  # the run's, once resumed (a lost peer names its step)
     on_divergence: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    startup: StartupClock = dataclasses.field(default_factory=StartupClock)  # rank 0 prints `ready in` at the first step
 
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
@@ -220,7 +222,8 @@ class Job:
                 print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
                       f"requeued {launch.requeues}x)", flush=True)
         self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, classes, progress, loss_sums, epochs,
-                               max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger)
+                               max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger,
+                               self.startup if rt.is_main else None)
         if save_here:
             self.run.checkpoint()
             if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
@@ -259,6 +262,7 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             stop: StopSignals | None = None) -> int:
     """Run `body` (the recipe's part: data, model, loop) as this process's part of the job
     and return the exit code; every ending is one line and a code (see the manual)."""
+    startup = StartupClock()  # first: its "imports" are the time since the process started
     argv = sys.argv[1:] if argv is None else list(argv)
     stop, who = stop or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
     code, launch, options, job = EXIT_BUG, None, None, None
@@ -272,7 +276,9 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
                   "which a restart does not fix; see its error above", file=sys.stderr, flush=True)
             code = earlier
             return code
-        job = Job(recipe, options, launch, init_distributed(options, launch), stop, who)
+        with startup.phase("process group"):
+            rt = init_distributed(options, launch)
+        job = Job(recipe, options, launch, rt, stop, who, startup=startup)
         try:
             body(job)
             code = 0

@@ -1,5 +1,6 @@
 """The launch environment: who this process is in the job (torchrun, Slurm's srun, or one
-process), the stop signals, and the exit codes and exit files the launchers read.
+process), the stop signals, the start-up clock, and the exit codes and exit files the
+launchers read.
 
 Standard library only, so that mnist_ddp.py can import it, and catch a stop signal, before
 torch has loaded (which takes seconds on shared storage)."""
@@ -9,6 +10,7 @@ import dataclasses
 import os
 import re
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +68,41 @@ class StopSignals:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+IMPORTED_AT = time.monotonic()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: its start time in /proc/self/stat against
+    the time since boot), so the interpreter's own start counts; elsewhere, since this module
+    was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - IMPORTED_AT
+
+
+class StartupClock:
+    """Where the time to the first training step went: the imports (from the process's start
+    to the clock's), then the phases timed with `phase`; `ready_line` adds the rest."""
+
+    def __init__(self):
+        self.phases = {"imports": process_age()}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - started
+
+    def ready_line(self) -> str:
+        total = process_age()
+        parts = {**self.phases, "the rest": max(0.0, total - sum(self.phases.values()))}
+        return f"ready in {total:.2f} s ({', '.join(f'{name} {seconds:.2f} s' for name, seconds in parts.items())})"
 
 
 @dataclass(frozen=True)

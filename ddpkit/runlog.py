@@ -4,6 +4,8 @@ the options and environment as text); a logger that does nothing on the other ra
 
 import contextlib
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -11,15 +13,12 @@ import platform
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torchvision
 from PIL import Image, ImageDraw
-from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
-from torch.utils.tensorboard import SummaryWriter
 
 from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime, all_reduce
@@ -54,9 +53,17 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def installed_version(package: str) -> str:
+    """The package's installed version, without importing it (torchvision takes seconds to import)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
     env = {
-        "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "python": platform.python_version(), "torch": torch.__version__, "torchvision": installed_version("torchvision"),
         "launcher": launch.source, "world_size": rt.world_size, "backend": rt.backend, "device": str(rt.device),
         "hosts": sorted(set(hosts)), "master": f"{launch.master_addr}:{launch.master_port}" if rt.world_size > 1 else "",
         "slurm_job_id": launch.job_id, "cpu_threads_per_rank": torch.get_num_threads(), "cpus_rank_0": usable_cpus(),
@@ -127,14 +134,29 @@ class HParams:
     choices: dict = dataclasses.field(default_factory=dict)   # name -> the values a str may take
 
 
-def hparams_summary(tag: str, **content) -> Summary:
-    data = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **content)
+@functools.cache
+def tensorboard_api() -> SimpleNamespace:
+    """TensorBoard's writer and protocol buffers, imported on first use: only the rank that
+    logs pays for them, and not before it writes."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+    from torch.utils.tensorboard import SummaryWriter
+    return SimpleNamespace(Summary=Summary, SummaryMetadata=SummaryMetadata, api_pb2=api_pb2, metadata=metadata,
+                           plugin_data_pb2=plugin_data_pb2, SummaryWriter=SummaryWriter)
+
+
+def hparams_summary(tag: str, **content):
+    tb = tensorboard_api()
+    Summary, SummaryMetadata, metadata = tb.Summary, tb.SummaryMetadata, tb.metadata
+    data = tb.plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **content)
     plugin = SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME, content=data.SerializeToString())
     return Summary(value=[Summary.Value(tag=tag, metadata=SummaryMetadata(plugin_data=plugin))])
 
 
 def declare_hparams(log_dir: Path, hparams: HParams) -> None:
     """Write the experiment (which options and metrics the tab shows) once per log directory."""
+    tb = tensorboard_api()
+    api_pb2, metadata = tb.api_pb2, tb.metadata
     types = {float: api_pb2.DATA_TYPE_FLOAT64, int: api_pb2.DATA_TYPE_FLOAT64, str: api_pb2.DATA_TYPE_STRING,
              bool: api_pb2.DATA_TYPE_BOOL}
     infos = [api_pb2.HParamInfo(name=name, type=types[type(value)], differs=name in hparams.first)
@@ -154,7 +176,7 @@ def declare_hparams(log_dir: Path, hparams: HParams) -> None:
         print(f"warning: cannot declare the HParams experiment in {log_dir} ({err.strerror}); training goes on, "
               "and TensorBoard's HParams tab infers its columns from the runs", file=sys.stderr, flush=True)
         return
-    with SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
+    with tb.SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
         writer.file_writer.add_summary(hparams_summary(metadata.EXPERIMENT_TAG, experiment=api_pb2.Experiment(
             hparam_infos=infos, metric_infos=metrics)))
 
@@ -204,12 +226,13 @@ class RunLogger:
         for record in records:
             self.add_epoch_time(record)
         declare_hparams(run_dir.parent, hparams)
-        self.writer = SummaryWriter(str(run_dir), purge_step=resumed_step + 1)
-        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        tb = tensorboard_api()
+        self.writer = tb.SummaryWriter(str(run_dir), purge_step=resumed_step + 1)
+        start = tb.plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
         for name, value in hparams.values.items():
             kind = "bool_value" if isinstance(value, bool) else "string_value" if isinstance(value, str) else "number_value"
             setattr(start.hparams[name], kind, value)
-        self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=start))
+        self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_START_INFO_TAG, session_start_info=start))
         self.metrics = open(metrics_path, "a")
         self.show_progress = sys.stdout.isatty()
         # At the step it starts from: a resumed run's attempts each keep their own entry.
@@ -274,8 +297,9 @@ class RunLogger:
     def finish(self, final: dict, step: int) -> None:
         for name, value in final.items():
             self.writer.add_scalar(f"final/{name}", value, step)
-        self.writer.file_writer.add_summary(hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=(
-            plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
+        tb = tensorboard_api()
+        self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_END_INFO_TAG, session_end_info=(
+            tb.plugin_data_pb2.SessionEndInfo(status=tb.api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
 
     def close(self) -> None:
         self.writer.close()

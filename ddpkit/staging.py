@@ -2,8 +2,9 @@
 from a file:// mirror), and into a node-local directory, once per node and once per shared
 directory, behind a file lock that also holds across NFS clients.
 
-The MNIST-like data sets (torchvision's classes) are staged here; imagesets.py reads them,
-and image folders, into memory or a DataLoader."""
+The MNIST-like data sets are staged here in torchvision's layout (DATA_DIR/<Name>/raw), and
+torchvision is imported only to fetch them: a run on staged data never loads it (seconds of
+start-up). imagesets.py reads them, and image folders, into memory or a DataLoader."""
 
 import contextlib
 import fcntl
@@ -15,10 +16,8 @@ import socket
 import tempfile
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-from torchvision.datasets import MNIST, FashionMNIST
-from torchvision.datasets.utils import check_integrity
 
 from ddpkit.distributed import Runtime, all_ranks_agree
 from ddpkit.launch import PROG, UsageError
@@ -28,22 +27,38 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (imagesets.py)
 
 
-class MNISTSample(MNIST):
-    """The 4,000 + 1,000-image MNIST sample bundled in data/mnist-sample (see its README).
-
-    Its 'mirror' is that directory, so a smoke run stages it through the same download,
-    checksum and parsing path as the full data sets."""
-    mirrors = [(REPOSITORY / "data" / "mnist-sample").as_uri() + "/"]
-    resources = [
-        ("train-images-idx3-ubyte.gz", "2ed410f5afecb048f3454a25670855ab"),
-        ("train-labels-idx1-ubyte.gz", "3c3d8702adc7c424b6625947ddd63d9e"),
-        ("t10k-images-idx3-ubyte.gz", "028fa3aaba12cfa6cc55aca87a16885c"),
-        ("t10k-labels-idx1-ubyte.gz", "4d079c24de05debc9420a23a8263db82"),
-    ]
+DIGITS = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight",
+          "9 - nine")
+FASHION = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+# The four IDX files of an MNIST-like set, unpacked: train images and labels, test images and labels.
+RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-# The data sets torchvision fetches and stages as DATA_DIR/<Name>/raw.
-DATASET_CLASSES = {"mnist-sample": MNISTSample, "mnist": MNIST, "fashion-mnist": FashionMNIST}
+@dataclass(frozen=True)
+class MNISTLike:
+    """An MNIST-format data set, staged as DATA_DIR/<name>/raw/RAW_FILES: torchvision's class
+    `fetched_by` downloads and checks it, with `mirrors` and `resources` ((file, MD5) pairs)
+    replacing that class's own when given."""
+    name: str
+    classes: tuple[str, ...]
+    fetched_by: str
+    mirrors: tuple[str, ...] = ()
+    resources: tuple[tuple[str, str], ...] = ()
+
+    def raw(self, data_dir: Path) -> Path:
+        return data_dir / self.name / "raw"
+
+
+# The bundled 4,000 + 1,000-image MNIST sample in data/mnist-sample (see its README). Its
+# 'mirror' is that directory, so a smoke run stages it through the same download, checksum
+# and parsing path as the full data sets.
+MNIST_SAMPLE = MNISTLike("MNISTSample", DIGITS, "MNIST", mirrors=((REPOSITORY / "data" / "mnist-sample").as_uri() + "/",),
+                         resources=(("train-images-idx3-ubyte.gz", "2ed410f5afecb048f3454a25670855ab"),
+                                    ("train-labels-idx1-ubyte.gz", "3c3d8702adc7c424b6625947ddd63d9e"),
+                                    ("t10k-images-idx3-ubyte.gz", "028fa3aaba12cfa6cc55aca87a16885c"),
+                                    ("t10k-labels-idx1-ubyte.gz", "4d079c24de05debc9420a23a8263db82")))
+MNIST_LIKE = {"mnist-sample": MNIST_SAMPLE, "mnist": MNISTLike("MNIST", DIGITS, "MNIST"),
+              "fashion-mnist": MNISTLike("FashionMNIST", FASHION, "FashionMNIST")}
 
 
 @contextlib.contextmanager
@@ -62,20 +77,28 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = ""):
         yield
 
 
-def dataset_class(dataset: str, mirror: str = "") -> type[MNIST]:
-    cls = DATASET_CLASSES[dataset]
-    if not mirror:
-        return cls
-    # Same class name, so the files land in the same DATA_DIR/<Name>/raw folder.
-    return type(cls.__name__, (cls,), {"mirrors": [mirror.rstrip("/") + "/"]})
+def mnist_like(dataset: str, mirror: str = "") -> MNISTLike:
+    """The --dataset's description, its mirrors replaced by --data-mirror when given (the
+    same name, so the files land in the same DATA_DIR/<Name>/raw folder)."""
+    spec = MNIST_LIKE[dataset]
+    return replace(spec, mirrors=(mirror.rstrip("/") + "/",)) if mirror else spec
 
 
-def raw_files(cls: type[MNIST]) -> list[str]:
-    return [name.removesuffix(".gz") for name, _ in cls.resources]
+def fetcher(spec: MNISTLike) -> type:
+    """torchvision's class that downloads and checks `spec`'s files (imported only here)."""
+    import torchvision.datasets
+
+    base = getattr(torchvision.datasets, spec.fetched_by)
+    changes = {"mirrors": list(spec.mirrors)} if spec.mirrors else {}
+    if spec.resources:
+        changes["resources"] = list(spec.resources)
+    return type(spec.name, (base,), changes)
 
 
-def copy_from_file_mirror(cls: type[MNIST], raw: Path) -> None:
+def copy_from_file_mirror(cls: type, raw: Path) -> None:
     """torchvision cannot fetch file:// URLs; copy such a mirror's files and let it check them."""
+    from torchvision.datasets.utils import check_integrity
+
     mirror = cls.mirrors[0]
     if not mirror.startswith("file://"):
         return
@@ -87,12 +110,11 @@ def copy_from_file_mirror(cls: type[MNIST], raw: Path) -> None:
             raise RuntimeError(f"{source} does not have the expected MD5 {md5}")
 
 
-def is_staged(cls: type[MNIST], data_dir: Path) -> bool:
-    raw = data_dir / cls.__name__ / "raw"
-    return all((raw / name).is_file() for name in raw_files(cls))
+def is_staged(spec: MNISTLike, data_dir: Path) -> bool:
+    return all((spec.raw(data_dir) / name).is_file() for name in RAW_FILES)
 
 
-def stage_dataset(cls: type[MNIST], data_dir: Path, source: Path | None = None, flag: str = "--data-dir") -> bool:
+def stage_dataset(spec: MNISTLike, data_dir: Path, source: Path | None = None, flag: str = "--data-dir") -> bool:
     """Make DATA_DIR/<Name>/raw hold the unpacked files, downloaded or copied from the
     staged data directory `source`; True if it had to fetch them.
 
@@ -101,33 +123,34 @@ def stage_dataset(cls: type[MNIST], data_dir: Path, source: Path | None = None, 
     NFS data directory) take turns. Files are fetched and checked in a private staging
     directory and then renamed into place, so a reader never sees half a file and a
     crash mid-download leaves nothing behind that looks complete."""
-    if is_staged(cls, data_dir):
+    if is_staged(spec, data_dir):
         return False
-    raw = data_dir / cls.__name__ / "raw"
-    with data_lock(data_dir, flag, f" and it does not hold {cls.__name__} yet"):
-        if is_staged(cls, data_dir):
+    raw = spec.raw(data_dir)
+    with data_lock(data_dir, flag, f" and it does not hold {spec.name} yet"):
+        if is_staged(spec, data_dir):
             return False
         chatter = io.StringIO()
         try:
             with tempfile.TemporaryDirectory(dir=data_dir, prefix=".staging-") as staging:
-                staged_raw = Path(staging, cls.__name__, "raw")
+                staged_raw = spec.raw(Path(staging))
                 if source is not None:
-                    shutil.copytree(source / cls.__name__ / "raw", staged_raw)
+                    shutil.copytree(spec.raw(source), staged_raw)
                 else:
+                    cls = fetcher(spec)
                     copy_from_file_mirror(cls, staged_raw)
                     with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
                         cls(staging, train=True, download=True)
                 raw.mkdir(parents=True, exist_ok=True)
-                for name in raw_files(cls):
+                for name in RAW_FILES:
                     os.replace(staged_raw / name, raw / name)
         except (RuntimeError, OSError) as err:
             if source is not None:
-                raise UsageError(f"cannot copy {cls.__name__} from {source} into the node-local {data_dir} "
+                raise UsageError(f"cannot copy {spec.name} from {source} into the node-local {data_dir} "
                                  f"({getattr(err, 'strerror', None) or err}); free space there or pass another --node-data-dir") from None
             lines = [line.strip() for line in str(err).splitlines() + chatter.getvalue().splitlines() if line.strip()]
             reason = lines[-1] if lines else type(err).__name__
-            names = ", ".join(name for name, _ in cls.resources)
-            raise UsageError(f"cannot download {cls.__name__} into {raw} ({reason}). Put {names} (or the unpacked files) "
+            names = ", ".join(name + ".gz" for name in RAW_FILES)
+            raise UsageError(f"cannot download {spec.name} into {raw} ({reason}). Put {names} (or the unpacked files) "
                              f"there, e.g. run `python {PROG} --dataset ... --download-only` on a machine with internet, "
                              "or pass --data-mirror URL or --data-dir DIR") from None
     return True
@@ -156,12 +179,12 @@ def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
     if rt.local_rank == 0:
         try:
             local = node_data_dir(run)
-            if dataset in DATASET_CLASSES:
-                cls = dataset_class(dataset, run.data_mirror)
-                if stage_dataset(cls, data_dir):
-                    print(f"[rank {rt.rank}] staged {cls.__name__} in {data_dir / cls.__name__ / 'raw'}", flush=True)
-                if local is not None and stage_dataset(cls, local, source=data_dir, flag="--node-data-dir"):
-                    print(f"[rank {rt.rank}] copied {cls.__name__} to {local} on {socket.gethostname()}", flush=True)
+            if dataset in MNIST_LIKE:
+                spec = mnist_like(dataset, run.data_mirror)
+                if stage_dataset(spec, data_dir):
+                    print(f"[rank {rt.rank}] staged {spec.name} in {spec.raw(data_dir)}", flush=True)
+                if local is not None and stage_dataset(spec, local, source=data_dir, flag="--node-data-dir"):
+                    print(f"[rank {rt.rank}] copied {spec.name} to {local} on {socket.gethostname()}", flush=True)
             elif local is not None and copy_folder(data_dir, local):
                 print(f"[rank {rt.rank}] copied {data_dir} to {local} on {socket.gethostname()}", flush=True)
         except UsageError as err:

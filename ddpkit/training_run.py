@@ -17,7 +17,7 @@ import torch
 
 from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.distributed import Runtime, all_reduce, set_background
-from ddpkit.launch import Diverged, Stopped, StopSignals
+from ddpkit.launch import Diverged, StartupClock, Stopped, StopSignals
 from ddpkit.options import RunOptions
 from ddpkit.recovery import CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.runlog import gpu_figures, peak_rss_mb
@@ -42,7 +42,8 @@ class EpochLoss:
 class TrainingRun:
     def __init__(self, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path, state: Mapping[str, object],
                  saved_options: dict, classes: tuple[str, ...], progress: Progress, loss_sums: torch.Tensor, epochs: int,
-                 max_steps: int, steps_per_epoch: int, schedule_offset: int, total_steps: int, logger):
+                 max_steps: int, steps_per_epoch: int, schedule_offset: int, total_steps: int, logger,
+                 startup: StartupClock | None = None):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
         self.classes = classes
         self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
@@ -55,6 +56,7 @@ class TrainingRun:
         self.interrupt_step = int(interrupt_step or 0)
         self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
         self.epoch_started, self.trained = time.perf_counter(), 0
+        self.startup = startup  # printed as `ready in ...` when the first step is about to run
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -69,6 +71,9 @@ class TrainingRun:
 
     def epoch_begins(self) -> None:
         """Called at the start of each epoch's steps (a resumed epoch too): its clock starts."""
+        if self.startup:
+            print(self.startup.ready_line(), flush=True)
+            self.startup = None
         self.epoch_started, self.trained = time.perf_counter(), 0
         if self.rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.rt.device)

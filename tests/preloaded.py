@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "mnist_ddp.py"
-PRELOAD = ["torch", "torch.distributed", "torchvision", "torch.utils.tensorboard", "ddpkit.jobs", "ddpkit.imagesets",
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torchvision", "torch.utils.tensorboard", "ddpkit.jobs", "ddpkit.imagesets",
            "ddpkit.staging", "preloaded"]
 
 _context = multiprocessing.get_context("forkserver")

@@ -32,7 +32,8 @@ def no_launcher(monkeypatch):
     (["--epochs", "-1"], "--epochs must be at least 1"),
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--epochs", "two"], "invalid int value"),
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--global-batch", "0"], "--global-batch must be at least 1"),
+    (["--batch-size", "-1"], "--batch-size must be 0 (from --global-batch) or more"),
     (["--lr", "0"], "--lr must be a positive number"),
     (["--lr", "nan"], "--lr must be a positive number"),
     (["--weight-decay", "-1"], "--weight-decay must be 0 or more"),
@@ -155,9 +156,9 @@ def test_read_only_data_dir_that_holds_the_data_is_used(tmp_path):
 
 
 def test_exit_code_through_the_command_line(tmp_path):
-    result = run_single(["--batch-size", "0"], cwd=tmp_path)
+    result = run_single(["--global-batch", "0"], cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == "mnist_ddp.py: error: --batch-size must be at least 1, got 0"
+    assert result.stderr.strip() == "mnist_ddp.py: error: --global-batch must be at least 1, got 0"
     assert "Traceback" not in result.stderr + result.stdout
 
 

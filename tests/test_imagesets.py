@@ -36,7 +36,7 @@ from ddpkit.imagesets import (
     shift_images,
 )
 from ddpkit.launch import UsageError
-from ddpkit.staging import MNISTSample, stage_dataset
+from ddpkit.staging import MNIST_SAMPLE, stage_dataset
 
 CPU = torch.device("cpu")
 CLASSES = ("ant", "bee", "cat")
@@ -317,16 +317,16 @@ def test_choose_feed():
 @pytest.fixture(scope="module")
 def sample_dir(tmp_path_factory) -> Path:
     data_dir = tmp_path_factory.mktemp("data")
-    stage_dataset(MNISTSample, data_dir)
+    stage_dataset(MNIST_SAMPLE, data_dir)
     return data_dir
 
 
 def test_mnist_like_sample_in_either_feed(sample_dir):
-    train, test = load_mnist_like(MNISTSample, sample_dir, "memory", CPU)
+    train, test = load_mnist_like(MNIST_SAMPLE, sample_dir, "memory", CPU)
     assert train.images.shape == (4000, 1, 28, 28) and test.images.shape == (1000, 1, 28, 28)
     assert train.labels.dtype == torch.int64 and len(train.classes) == 10 and train.classes[3] == "3 - three"
     assert (train.mean, train.std) == ((0.1307,), (0.3081,))
-    streamed, streamed_test = load_mnist_like(MNISTSample, sample_dir, "stream", CPU)
+    streamed, streamed_test = load_mnist_like(MNIST_SAMPLE, sample_dir, "stream", CPU)
     assert streamed.shape == (1, 28, 28) and len(streamed_test) == 1000
     batches = index_batches(len(train), 500)
     for a, b in zip(train.batches(batches, CPU), streamed.batches(batches, CPU, workers=2), strict=True):
@@ -340,7 +340,7 @@ def test_damaged_mnist_like_files_are_refused(sample_dir, tmp_path):
     whole = (raw / "t10k-images-idx3-ubyte").read_bytes()
     (raw / "t10k-images-idx3-ubyte").write_bytes(whole[:1000])
     with pytest.raises(UsageError) as refused:
-        load_mnist_like(MNISTSample, tmp_path, "memory", CPU)
+        load_mnist_like(MNIST_SAMPLE, tmp_path, "memory", CPU)
     assert str(refused.value).startswith(f"cannot read {raw} (")
     assert str(refused.value).endswith("); delete that folder and run again to fetch it anew")
 

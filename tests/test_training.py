@@ -1,11 +1,14 @@
 """Real training runs of mnist_ddp.py on the bundled sample, in real processes over Gloo:
-the smoke run learns (>= 95 %), torchrun and srun-style launches work, 2 ranks x batch B
-match 1 process x batch 2B, seeded runs are bit-identical, evaluation with 3 ranks counts
+the smoke run learns (>= 95 %), torchrun and srun-style launches work, 2 and 4 ranks train
+the model 1 process trains (the global batch is split among them), 2 ranks x batch B match 1
+process x batch 2B, a global batch that does not split is refused, seeded runs are bit-identical, evaluation with 3 ranks counts
 every test image once, TensorBoard's own reader finds the logged tags, and the shift
 augmentation moves each image by at most one pixel, the same way for any world size.
 
     python -m pytest tests/test_training.py
 """
+
+import socket
 
 import pytest
 import torch
@@ -54,7 +57,7 @@ def test_tensorboard_events_hold_the_expected_tags(smoke_run):
     tensors = set(events.Tags()["tensors"])
     assert {"config/text_summary", "environment/text_summary"} <= tensors
     config_text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "| batch_size | 128 |" in config_text
+    assert "| global_batch | 128 |" in config_text
     # The run holds its own hparams values; the experiment (which of them the tab shows, and
     # which metrics) is declared once, in the log directory that holds the runs.
     plugins = events.PluginTagToContent("hparams")
@@ -104,6 +107,32 @@ def test_two_ranks_match_one_process_with_twice_the_batch(workdir):
         torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_one_two_and_four_ranks_train_the_same_model_from_the_same_global_batch(workdir):
+    """The default keeps the global batch (128): each of 4 ranks takes 32 images a step."""
+    steps = ["--epochs", "1", "--max-steps", "8", "--dropout", "0"]
+    assert_ok(run_single([*steps, "--run-dir", "runs/one"], cwd=workdir, OMP_NUM_THREADS="1"))
+    one = load_params(workdir / "runs" / "one")
+    for ranks in (2, 4):
+        results = run_as_srun(ranks, [*steps, "--run-dir", f"runs/{ranks}"], cwd=workdir)
+        for result in results:
+            assert_ok(result)
+        assert f"global batch 128 ({ranks} x {128 // ranks})" in results[0].stdout
+        many = load_params(workdir / "runs" / str(ranks))
+        assert many.keys() == one.keys()
+        for name in one:
+            torch.testing.assert_close(many[name], one[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, name=name, ranks=ranks: f"{ranks} ranks, {name}: {m}")
+
+
+def test_a_global_batch_that_does_not_split_among_the_ranks_is_refused_in_one_line(workdir):
+    results = run_as_srun(3, ["--max-steps", "2", "--run-dir", "runs/three"], cwd=workdir)
+    assert [r.returncode for r in results] == [2] * 3
+    assert results[0].stderr.strip().splitlines()[-1] == (
+        f"mnist_ddp.py [rank 0/3 on {socket.gethostname()}]: error: --global-batch 128 does not split evenly among 3 "
+        "ranks; pass --global-batch 126 or 129 (a multiple of 3), or --batch-size N for N images per rank")
+    assert not (workdir / "runs" / "three" / "checkpoints").exists()
+
+
 def test_seeded_runs_are_bit_identical(workdir):
     args = ["--epochs", "2", "--max-steps", "40", "--dropout", "0.2"]
     for name in ("a", "b"):
@@ -117,7 +146,8 @@ def test_seeded_runs_are_bit_identical(workdir):
 
 def test_three_ranks_evaluate_every_test_image_once(workdir):
     # 1000 test images over 3 ranks: shards of 334, 333 and 333, no padding counted.
-    results = run_as_srun(3, ["--epochs", "1", "--max-steps", "2", "--run-dir", "runs/three"], cwd=workdir)
+    results = run_as_srun(3, ["--epochs", "1", "--max-steps", "2", "--global-batch", "96", "--run-dir", "runs/three"],
+                          cwd=workdir)
     for result in results:
         assert_ok(result)
     assert "1333 images" in results[0].stdout  # 4000 // 3 training images per rank
