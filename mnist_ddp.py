@@ -86,7 +86,7 @@ import torch.nn.functional as F
 
 from ddpkit import imagesets, jobs, staging
 from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
-from ddpkit.imagesets import ImageSet, normalize, shift_images
+from ddpkit.imagesets import ImageSet, normalize
 from ddpkit.optimizer import FusedAdamW
 from ddpkit.options import RunOptions, need, option
 from ddpkit.runlog import HParams
@@ -333,13 +333,13 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
     confusion = torch.zeros(n * n, dtype=torch.int64, device=rt.device)
     shown, shown_pred, wrong, wrong_pred = [], [], [], []
     chunks = [mine[start: start + batch_size] for start in range(0, len(mine), batch_size)]
-    for idx, images in zip(chunks, split.batches(chunks, rt.device, options.data_workers), strict=True):
+    for idx, (images, y) in zip(chunks, split.batches(chunks, rt.device, options.data_workers), strict=True):
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=options.amp):
             logits = model(normalize(images, split.mean, split.std, options.channels_last))
-        y, pred = split.labels[idx], logits.argmax(1)
+        pred = logits.argmax(1)
         sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums[1] += len(idx)
-        confusion += torch.bincount(y * n + pred, minlength=n * n)
+        confusion.index_put_((y * n + pred,), torch.ones_like(y), accumulate=True)  # (deterministic, unlike bincount on CUDA)
         if rt.is_main and not shown:
             shown, shown_pred = [idx[:keep]], [pred[:keep]]
         if rt.is_main and sum(map(len, wrong)) < keep:
@@ -382,16 +382,15 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
         shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
         shifts = shifts if shifts is None else shifts.to(rt.device)
         batches = [shard[k * size: (k + 1) * size] for k in range(run.progress.step_in_epoch, run.steps_per_epoch)]
-        for idx, images in zip(batches, train_set.batches(batches, rt.device, options.data_workers), strict=True):
+        for images, y in train_set.batches(batches, rt.device, options.data_workers, moves=shifts):
             if run.done():  # the --max-steps cap, in mid-epoch
                 break
-            images = shift_images(images, shifts if shifts is None else shifts[:, idx])
-            x, y = normalize(images, train_set.mean, train_set.std, options.channels_last), train_set.labels[idx]
+            x = normalize(images, train_set.mean, train_set.std, options.channels_last)
             loss = train_step(model, optimizer, lr_at(run.schedule_step, run.total_steps, recipe.lr), x, y, options.amp,
                               recipe.label_smoothing)
             if average:
                 average.update(run.progress.step)
-            run.step_done(loss, len(idx))
+            run.step_done(loss, len(y))
         run.epoch_done(evaluate_now)
     run.finish(evaluate_now, eval_model)
 

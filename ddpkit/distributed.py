@@ -4,6 +4,7 @@ collectives the rest uses, each labelled with what it is for, so that a lost pee
 by the operation that lost it."""
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -45,10 +46,56 @@ def driver_cuda() -> tuple[str, str]:
     return (driver.group(1) if driver else ""), (cuda.group(1) if cuda else "")
 
 
-def unusable_gpu_message(granted: str, torch_cuda: str | None, driver: str, driver_max_cuda: str) -> str:
-    """Slurm gave GPUs that this torch cannot use: say why, and which build to install."""
+def cuda_version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+def node_gpus() -> list[tuple[str, str, str]]:
+    """(index, UUID, compute mode) of every GPU on this node, whatever CUDA_VISIBLE_DEVICES
+    says (nvidia-smi sees them all), or [] without nvidia-smi."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,compute_mode", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [tuple(field.strip() for field in line.split(",")) for line in listed.splitlines() if line.count(",") == 2]
+
+
+def invisible_gpu_cause(visible: str | None, gpus: list[tuple[str, str, str]]) -> str:
+    """Why torch sees no GPU although its build suits the driver: CUDA_VISIBLE_DEVICES names
+    none, or names GPUs this node does not have (CUDA stops at the first such entry), or the
+    GPUs are there but cannot be opened (busy in exclusive mode, or not in this container)."""
+    if not gpus:
+        return "nvidia-smi lists no GPU on this node"
+    indices = ", ".join(index for index, _, _ in gpus)
+    if visible is not None and not visible.strip():
+        return "CUDA_VISIBLE_DEVICES is set but empty, so CUDA shows no GPU"
+    if visible is not None:
+        entries = [entry.strip() for entry in visible.split(",")]
+        valid = [any(entry and (entry == index or uuid.startswith(entry)) for index, uuid, _ in gpus) for entry in entries]
+        if not all(valid):
+            wrong = entries[valid.index(False)]
+            return (f"CUDA_VISIBLE_DEVICES={visible} names {f'GPU {wrong}' if wrong else 'an empty entry'}, which this "
+                    f"node does not have (nvidia-smi lists {indices}), so CUDA shows "
+                    f"{'no GPU' if not valid[0] else 'only the GPUs before it'}")
+    exclusive = [index for index, _, mode in gpus if "exclusive" in mode.lower()]
+    if exclusive:
+        return (f"GPU {', '.join(exclusive)} of this node is in exclusive-process mode: another process probably holds it "
+                "(nvidia-smi shows which)")
+    return (f"nvidia-smi lists GPUs {indices} but CUDA cannot open them: in a container, pass them in (--nv for "
+            "Apptainer, --gpus for Docker)")
+
+
+def unusable_gpu_message(granted: str, torch_cuda: str | None, driver: str, driver_max_cuda: str, cause: str = "") -> str:
+    """Slurm gave GPUs that this torch cannot use: say why, and what to do. A build that the
+    driver runs is not the problem: then `cause` (invisible_gpu_cause) is."""
+    if torch_cuda and driver_max_cuda and cuda_version(torch_cuda) <= cuda_version(driver_max_cuda):
+        return (f"this job was given GPUs ({granted}) but torch sees none: {cause or 'no GPU is visible'}. torch "
+                f"{torch.__version__} (CUDA {torch_cuda}) suits the driver {driver} (CUDA up to {driver_max_cuda}); let "
+                "Slurm set CUDA_VISIBLE_DEVICES (do not set it yourself), ask for a GPU of your own, or pass --device cpu "
+                "to train on the CPU on purpose")
     build = f"torch {torch.__version__} is a CPU-only build" if not torch_cuda else f"torch {torch.__version__} is built for CUDA {torch_cuda}"
-    fits = [w for w in CUDA_WHEELS if driver_max_cuda and w <= tuple(int(x) for x in driver_max_cuda.split(".")[:2])]
+    fits = [w for w in CUDA_WHEELS if driver_max_cuda and w <= cuda_version(driver_max_cuda)]
     index = "cu{}{}".format(*fits[-1]) if fits else "cuXYZ (a CUDA version your driver supports)"
     node = (f"the node's driver {driver} runs CUDA up to {driver_max_cuda}" if driver
             else "the driver's version is unknown (no nvidia-smi on this node)")
@@ -65,7 +112,8 @@ def pick_device(config: RunOptions, launch: Launch, cuda_available: bool, device
     wants_cuda = config.device == "cuda" or config.backend == "nccl"
     if not cuda_available and (wants_cuda or (config.device == "auto" and launch.gpus_granted)):
         if launch.gpus_granted:
-            raise UsageError(unusable_gpu_message(launch.gpus_granted, torch.version.cuda, *driver_cuda()))
+            cause = invisible_gpu_cause(os.environ.get("CUDA_VISIBLE_DEVICES"), node_gpus())
+            raise UsageError(unusable_gpu_message(launch.gpus_granted, torch.version.cuda, *driver_cuda(), cause))
         flag = "--device cuda" if config.device == "cuda" else "--backend nccl"
         raise UsageError(f"{flag} needs a CUDA GPU but torch sees none (CUDA_VISIBLE_DEVICES unset); "
                          "use --device cpu --backend gloo, or ask Slurm for a GPU")
@@ -97,8 +145,17 @@ def amp_warning(amp: bool, gpu_name: str, capability: tuple[int, int]) -> str:
 def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
     cuda = torch.cuda.is_available()
     device, backend = pick_device(config, launch, cuda, torch.cuda.device_count() if cuda else 0)
+    if config.deterministic:
+        set_deterministic()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so NCCL binds the right GPU
+        try:
+            torch.zeros(1, device=device)  # opens the device: a busy one fails here, in one line
+        except RuntimeError as err:
+            if "busy or unavailable" not in str(err):
+                raise
+            raise UsageError(f"{device} on {os.uname().nodename} is busy or unavailable ({invisible_gpu_cause(None, node_gpus())}); "
+                             "ask Slurm for a GPU of your own (--gpus-per-task=1 or --exclusive), or pass --device cpu") from None
         warning = amp_warning(config.amp, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
         if warning and launch.rank == 0:
             print(warning, file=sys.stderr, flush=True)
@@ -112,6 +169,28 @@ def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
                                 timeout=timedelta(seconds=config.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
     return Runtime(launch.rank, launch.local_rank, launch.world_size, device, backend, launch.rank == 0)
+
+
+# cuBLAS's workspace setting for reproducible results (CUDA's documentation, "Results
+# reproducibility"); it must be in the environment before cuBLAS first runs.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def set_deterministic() -> None:
+    """--deterministic: bit-identical GPU runs and resumes. cuDNN picks deterministic
+    kernels and no benchmarking, cuBLAS a fixed workspace, and every operation without a
+    deterministic implementation stops the run (nondeterministic_operation names it).
+    CPU runs are bit-identical without it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+def nondeterministic_operation(err: BaseException) -> str:
+    """The operation that --deterministic refused, from torch's error, or ""."""
+    found = re.match(r"(\S+) does not have a deterministic implementation", str(err)) if isinstance(err, RuntimeError) else None
+    return found.group(1) if found else ""
 
 
 def teardown_distributed() -> None:

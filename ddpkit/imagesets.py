@@ -69,19 +69,37 @@ class ImageSet:
             return tuple(self.images.shape[1:])
         return getattr(self.reader, "shape", None) or tuple(self.reader[0].shape)
 
-    def batches(self, index_batches: list[torch.Tensor], device: torch.device, workers: int = 0) -> Iterator[torch.Tensor]:
-        """uint8 [B, C, H, W] images on `device`, one batch per index tensor, in order."""
+    def batches(self, index_batches: list[torch.Tensor], device: torch.device, workers: int = 0,
+                moves: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(uint8 [B, C, H, W] images, int64 [B] labels) on `device`, one batch per index tensor,
+        in order; each image moved by `moves` ([2, N] pixels down and right in {-1, 0, 1},
+        indexed by image: epoch_shifts) when given. Held in memory, a batch is one indexing
+        operation: the labels and the moves are put in batch order once, up front."""
+        sizes = [len(idx) for idx in index_batches]
+        order = torch.cat(index_batches) if index_batches else torch.zeros(0, dtype=torch.int64, device=self.labels.device)
+        labels = self.labels[order.to(self.labels.device)].to(device).split(sizes)
         if self.images is not None:
-            for idx in index_batches:
-                yield self.images[idx.to(self.images.device)].to(device)
+            order = order.to(self.images.device)
+            if moves is None:
+                yield from zip((self.images[idx].to(device) for idx in order.split(sizes)), labels, strict=True)
+                return
+            # Every image's 3 x 3 neighbourhood of windows, as views of one padded copy: a
+            # batch is the window each of its images moves to.
+            _, _, h, w = self.images.shape
+            windows = F.pad(self.images, (1, 1, 1, 1)).unfold(2, h, 1).unfold(3, w, 1)  # [N, C, 3, 3, h, w]
+            targets = (1 - moves[:, order.to(moves.device)]).to(self.images.device)  # [2, images]: window row, column
+            for idx, row, col, y in zip(order.split(sizes), targets[0].split(sizes), targets[1].split(sizes), labels,
+                                        strict=True):
+                yield windows[idx, :, row, col].to(device), y
             return
         # A generator of its own: the loader draws its workers' seeds from it, not from the
         # global one that dropout uses (a resumed run would draw once more and train differently).
         loader = DataLoader(self.reader, batch_sampler=[idx.tolist() for idx in index_batches], num_workers=workers,
                             pin_memory=device.type == "cuda", generator=torch.Generator())
         try:
-            for batch in loader:
-                yield batch.to(device, non_blocking=True)
+            for idx, batch, y in zip(index_batches, loader, labels, strict=True):
+                batch = batch.to(device, non_blocking=True)
+                yield (batch if moves is None else shift_images(batch, moves[:, idx.to(moves.device)].to(device))), y
         except UsageError as err:
             raise UsageError(_worker_message(err)) from None
 
@@ -487,15 +505,25 @@ def folder_facts(root: Path, listing: FolderListing, lock_dir: Path | None, verb
 # ----------------------------------------------------------------------------- per-batch arithmetic
 
 def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...], channels_last: bool = False) -> torch.Tensor:
-    """uint8 [B, C, H, W] -> float [B, C, H, W], standardised per channel on the images' device.
+    """uint8 [B, C, H, W] -> float [B, C, H, W], standardised per channel on the images' device,
+    in two operations (a training step runs this once; kernel launches add up on a GPU).
 
-    Each channel is shifted and scaled by Python numbers, as the single-channel version
-    always was: dividing by a tensor instead would round differently on CUDA, which divides
-    by a CPU scalar as a multiplication by its reciprocal (div_true_kernel_cuda)."""
-    x = images.float()
-    for c, (m, s) in enumerate(zip(mean, std, strict=True)):
-        x[:, c].sub_(255 * m).div_(255 * s)
+    One channel is shifted and scaled by Python numbers, as it always was: dividing by a
+    tensor instead would round differently on CUDA, which divides by a CPU scalar as a
+    multiplication by its reciprocal (div_true_kernel_cuda). Several channels take their
+    numbers from two small tensors, made once per device."""
+    if len(mean) == 1:
+        offset, scale = 255 * mean[0], 255 * std[0]
+    else:
+        offset, scale = channel_constants(mean, std, images.device)
+    x = torch.sub(images, offset).div_(scale)  # (uint8 minus a float: float32)
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+@functools.cache
+def channel_constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """255 x mean and 255 x std as [1, C, 1, 1] float32 tensors on `device`."""
+    return tuple(torch.tensor([255 * v for v in values], device=device).view(1, -1, 1, 1) for values in (mean, std))
 
 
 def shift_images(images: torch.Tensor, moves: torch.Tensor | None) -> torch.Tensor:

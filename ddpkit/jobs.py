@@ -28,7 +28,14 @@ from ddpkit.checkpoints import (
     run_is_done,
     set_aside_checkpoints,
 )
-from ddpkit.distributed import Runtime, barrier, gather_to_all, init_distributed, teardown_distributed
+from ddpkit.distributed import (
+    Runtime,
+    barrier,
+    gather_to_all,
+    init_distributed,
+    nondeterministic_operation,
+    teardown_distributed,
+)
 from ddpkit.launch import (
     EXIT_BUG,
     EXIT_DIVERGED,
@@ -301,6 +308,10 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             code = fail(lost_peer_message(err, job.progress if job else Progress()), EXIT_LOST_PEER, who)
         elif problem := storage_problem(err, options):
             code = fail(problem, who=who)
+        elif operation := nondeterministic_operation(err):
+            code = fail(f"--deterministic: {operation} has no deterministic implementation on {job.rt.device if job else 'this device'}, "
+                        "so this run cannot be bit-identical; leave out --deterministic, or change the model or step "
+                        "that uses it", who=who)
         else:
             traceback.print_exc()
             code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",

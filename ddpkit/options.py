@@ -47,6 +47,9 @@ class RunOptions:
     amp: bool = option(False, "bfloat16 autocast for forward passes", "speed")
     channels_last: bool = option(False, "channels-last memory layout for convolutions", "speed")
     compile: bool = option(False, "torch.compile the model (slow first steps; needs a C++ compiler on CPUs)", "speed")
+    deterministic: bool = option(False, "bit-identical GPU runs and resumes: deterministic cuDNN and cuBLAS kernels, "
+                                 "torch.use_deterministic_algorithms (slower on GPUs; CPU runs are bit-identical "
+                                 "without it)", "speed")
     # output
     log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "

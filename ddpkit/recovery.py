@@ -3,6 +3,7 @@ that is not finite, a checkpoint due by the clock), and how a failure is told ap
 named: a lost peer (exit 4, which a restart fixes), a storage problem the user fixes (exit 2)."""
 
 import errno
+import math
 import os
 import re
 import time
@@ -42,51 +43,71 @@ class Verdict:
     ckpt_due: bool = False
 
 
+class AgreementBuffers:
+    """The per-step agreement's tensors, made once per run, so that a step adds one copy and
+    one all-reduce: [stop, checkpoint due, loss] on the device, summed over the ranks (a
+    non-finite sum means some rank's loss is not finite), and on a GPU a pinned host copy of
+    the result and the event after which it holds it."""
+
+    def __init__(self, device: torch.device):
+        self.flags = torch.zeros(3, device=device)
+        self.host_flags, self.loss = self.flags[:2], self.flags[2]  # views
+        on_gpu = device.type == "cuda"
+        self.result = torch.zeros(3, pin_memory=True) if on_gpu else self.flags
+        self.copied = torch.cuda.Event() if on_gpu else None
+        self.host_flags_set = False  # whether host_flags may hold more than zeros (written here, or summed)
+
+
 @dataclass(frozen=True)
 class PendingAgreement:
     """An agreement under way: the all-reduce of the flags (None when it is already waited
-    for, or there is one process), the flags it reduces in place (on a GPU, their pinned
-    host copy), and the CUDA event after which that copy holds the result (None on a CPU)."""
+    for, or there is one process) and the buffers it reduces."""
     work: object | None
-    flags: torch.Tensor
-    copied: torch.cuda.Event | None
+    buffers: AgreementBuffers
 
 
 AGREEMENT = "the per-step agreement (stop, divergence, checkpoint time)"
 
 
-def start_agreement(stop: StopSignals, loss: torch.Tensor, clock: CheckpointClock, rt: Runtime) -> PendingAgreement:
-    """Start this step's agreement: one small all-reduce of every rank's flags, which runs
-    while the next step computes; read_agreement reads it one step later. Reading it at
+def start_agreement(stop: StopSignals, loss: torch.Tensor, clock: CheckpointClock, rt: Runtime,
+                    buffers: AgreementBuffers | None = None) -> PendingAgreement:
+    """Start this step's agreement: one small all-reduce of every rank's flags and loss, which
+    runs while the next step computes; read_agreement reads it one step later. Reading it at
     once would make the host wait for the step to finish on a GPU (twice: the loss check
     and the result), so the next step's kernels could not be queued behind it."""
-    host = torch.tensor([float(stop.received > 0), float(clock.due())])
-    on_gpu = rt.device.type == "cuda"
-    flags = torch.cat([(host.pin_memory() if on_gpu else host).to(rt.device, non_blocking=True),
-                       (~torch.isfinite(loss.detach())).float().view(1)])
+    buffers = buffers or AgreementBuffers(rt.device)
+    host = (float(stop.received > 0), float(clock.due()))
+    if any(host):  # rare: a new tensor then is no cost
+        buffers.host_flags.copy_(torch.tensor(host))
+        buffers.host_flags_set = True
+    elif buffers.host_flags_set:
+        buffers.host_flags.zero_()
+        buffers.host_flags_set = False
+    with torch.no_grad():
+        buffers.loss.copy_(loss)
     with collective(AGREEMENT):
-        work = dist.all_reduce(flags, async_op=True) if dist.is_initialized() else None
-        if not on_gpu:
-            return PendingAgreement(work, flags, None)
+        work = dist.all_reduce(buffers.flags, async_op=True) if dist.is_initialized() else None
+        if buffers.copied is None:
+            return PendingAgreement(work, buffers)
         if work is not None:
             work.wait()  # on a GPU: the stream waits for the reduction, the host does not
-    result = torch.empty(3, pin_memory=True)
-    result.copy_(flags, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return PendingAgreement(None, result, copied)
+    buffers.result.copy_(buffers.flags, non_blocking=True)
+    buffers.copied.record()
+    return PendingAgreement(None, buffers)
 
 
 def read_agreement(pending: PendingAgreement) -> Verdict:
     """The verdict of a started agreement, waiting for it if need be (by the next step's end
     it has long arrived)."""
+    buffers = pending.buffers
     with collective(AGREEMENT):
         if pending.work is not None:
             pending.work.wait()
-        if pending.copied is not None:
-            pending.copied.synchronize()
-    stopping, ckpt_due, diverged = pending.flags.tolist()
-    return Verdict(stopping > 0, diverged > 0, ckpt_due > 0)
+        if buffers.copied is not None:
+            buffers.copied.synchronize()
+    stopping, ckpt_due, loss = buffers.result.tolist()
+    buffers.host_flags_set = buffers.host_flags_set or stopping > 0 or ckpt_due > 0
+    return Verdict(stopping > 0, not math.isfinite(loss), ckpt_due > 0)
 
 
 def is_lost_peer(err: BaseException) -> bool:

@@ -19,23 +19,35 @@ from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoi
 from ddpkit.distributed import Runtime, all_reduce, set_background
 from ddpkit.launch import Diverged, StartupClock, Stopped, StopSignals
 from ddpkit.options import RunOptions
-from ddpkit.recovery import CheckpointClock, Verdict, read_agreement, start_agreement
+from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.runlog import gpu_figures, peak_rss_mb
 
 
 class EpochLoss:
-    """This rank's training loss in the epoch so far: the sum of loss x images, and the
-    images (float64, on the device, so adding to it never waits for the step)."""
+    """This rank's training loss in the epoch so far: the sum of loss x images (float64, on
+    the device, so adding to it never waits for the step: one operation a step), and the
+    images, counted on the host. A checkpoint saves both as each rank's "loss_sum"."""
 
     def __init__(self, sums: torch.Tensor):
-        self.sums = sums   # [loss x images, images]; a checkpoint saves it as each rank's "loss_sum"
+        self.sums = sums   # [loss x images, images]
+        self.total, self.images = sums[0], int(sums[1].item())  # (a view of sums[0])
 
     def add(self, loss: torch.Tensor, images: int) -> None:
-        self.sums[0] += loss * images
-        self.sums[1] += images
+        with torch.no_grad():
+            self.total.add_(loss, alpha=images)
+        self.images += images
+
+    def saved(self) -> torch.Tensor:
+        """[loss x images, images] as a checkpoint keeps it."""
+        self.sums[1] = self.images
+        return self.sums
+
+    def reset(self) -> None:
+        self.sums.zero_()
+        self.images = 0
 
     def mean_over_ranks(self) -> float:
-        total, images = all_reduce(self.sums.clone(), "the all-reduce of the epoch's training loss").tolist()
+        total, images = all_reduce(self.saved().clone(), "the all-reduce of the epoch's training loss").tolist()
         return total / max(images, 1)
 
 
@@ -51,7 +63,7 @@ class TrainingRun:
         # The learning-rate schedule runs in this world size's steps (schedule_step of
         # total_steps); the step count goes on from the checkpoint's.
         self.schedule_offset, self.total_steps, self.logger = schedule_offset, total_steps, logger
-        self.clock, self.pending = CheckpointClock(options.ckpt_minutes), None
+        self.clock, self.pending, self.agreement = CheckpointClock(options.ckpt_minutes), None, AgreementBuffers(rt.device)
         interrupt_step, self.interrupt_signal = (options.interrupt_at.split(":") + [""])[:2]
         self.interrupt_step = int(interrupt_step or 0)
         self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
@@ -91,7 +103,7 @@ class TrainingRun:
         # The ranks agree on the previous step while this one runs: a stop lands one step
         # after its signal, on every rank alike, and no step waits for the host.
         earlier = read_agreement(self.pending) if self.pending else Verdict()
-        self.pending = start_agreement(self.stop, loss, self.clock, self.rt)
+        self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement)
         if earlier.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite", progress.step - 1)
         self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
@@ -115,10 +127,10 @@ class TrainingRun:
             self.evaluate_here(evaluate)
         if progress.step_in_epoch >= self.steps_per_epoch:  # not when the cap stopped it in mid-epoch
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-            self.loss.sums.zero_()
+            self.loss.reset()
         path = self.checkpoint()
         # A stop asked for during the evaluation; after the last one, finishing is quicker.
-        now = read_agreement(start_agreement(self.stop, torch.zeros((), device=self.rt.device), self.clock, self.rt))
+        now = read_agreement(start_agreement(self.stop, torch.zeros(()), self.clock, self.rt, self.agreement))
         if now.stopping and not self.done():
             raise Stopped(path)
 
@@ -153,7 +165,7 @@ class TrainingRun:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
         path = save_checkpoint(self.run_dir, self.saved_options, self.classes, self.state, self.rt, self.progress,
-                               self.loss.sums, self.options.keep_ckpts)
+                               self.loss.saved(), self.options.keep_ckpts)
         self.clock.reset()
         return path
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from conftest import run_python
 from ddpkit import recovery
 from ddpkit.checkpoints import Progress
 from ddpkit.distributed import (
@@ -29,6 +30,8 @@ from ddpkit.distributed import (
     collective,
     collective_of,
     gather_to_all,
+    invisible_gpu_cause,
+    nondeterministic_operation,
     pick_device,
     set_background,
     unusable_gpu_message,
@@ -223,7 +226,7 @@ def test_device_cpu_overrides_given_gpus():
     assert device_for({"SLURM_JOB_GPUS": "0"}, False, 0, device="cpu") == (torch.device("cpu"), "gloo")
 
 
-@pytest.mark.parametrize("driver_cuda, index", [("12.2", "cu121"), ("12.8", "cu128"), ("13.1", "cu130"), ("11.4", None)])
+@pytest.mark.parametrize("driver_cuda, index", [("12.2", "cu121"), ("12.8", "cu128"), ("11.4", None)])
 def test_unusable_gpu_message_names_a_matching_build(driver_cuda, index):
     message = unusable_gpu_message("SLURM_JOB_GPUS=0", "13.0", "535.104.05", driver_cuda)
     assert f"is built for CUDA 13.0, the node's driver 535.104.05 runs CUDA up to {driver_cuda}" in message
@@ -240,3 +243,53 @@ def test_unusable_gpu_message_for_a_cpu_wheel_without_nvidia_smi():
 def test_amp_warns_before_ampere(capability, warns):
     assert bool(amp_warning(True, "Tesla V100", capability)) == warns
     assert amp_warning(False, "Tesla V100", capability) == ""
+
+
+# ----------------------------------------------------------------------------- a GPU that torch does not see
+
+NODE = [("0", "GPU-5d1c7e0a-aaaa", "Default"), ("1", "GPU-77b2c4f9-bbbb", "Default")]
+
+
+@pytest.mark.parametrize("visible, words", [
+    ("7", "CUDA_VISIBLE_DEVICES=7 names GPU 7, which this node does not have (nvidia-smi lists 0, 1), so CUDA shows no GPU"),
+    ("GPU-0000", "CUDA_VISIBLE_DEVICES=GPU-0000 names GPU GPU-0000, which this node does not have"),
+    ("", "CUDA_VISIBLE_DEVICES is set but empty, so CUDA shows no GPU"),
+    ("GPU-77b2", "nvidia-smi lists GPUs 0, 1 but CUDA cannot open them: in a container, pass them in"),
+])
+def test_when_the_build_suits_the_driver_the_gpu_error_names_the_real_cause(visible, words):
+    message = unusable_gpu_message("SLURM_GPUS_ON_NODE=1", "13.0", "580.159.04", "13.0", invisible_gpu_cause(visible, NODE))
+    assert message.startswith(f"this job was given GPUs (SLURM_GPUS_ON_NODE=1) but torch sees none: {words}")
+    assert "torch " in message and "suits the driver 580.159.04 (CUDA up to 13.0)" in message
+    assert "Install a matching build" not in message and "or pass --device cpu" in message
+
+
+def test_a_gpu_busy_in_exclusive_mode_and_a_node_without_gpus_are_named():
+    assert invisible_gpu_cause(None, [("0", "GPU-a", "Exclusive_Process")]).startswith(
+        "GPU 0 of this node is in exclusive-process mode: another process probably holds it")
+    assert invisible_gpu_cause("0", []) == "nvidia-smi lists no GPU on this node"
+
+
+def test_deterministic_sets_cudnn_cublas_and_torchs_deterministic_algorithms(tmp_path):
+    """In a real run's process: --deterministic turns all three on (and they stay off without it)."""
+    code = ("import json, os, sys, torch, mnist_ddp; code = mnist_ddp.main(sys.argv[1:]); "
+            "print('SETTINGS', json.dumps([torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, "
+            "torch.are_deterministic_algorithms_enabled(), os.environ.get('CUBLAS_WORKSPACE_CONFIG')])); sys.exit(code)")
+    seen = {}
+    for flag in ([], ["--deterministic"]):
+        result = run_python(["--max-steps", "2", "--run-dir", f"run{len(flag)}", *flag], tmp_path, code=code)
+        assert result.returncode == 0, result.stderr
+        seen[bool(flag)] = json.loads(result.stdout.split("SETTINGS ")[1])
+    assert seen[True] == [True, False, True, ":4096:8"]
+    assert seen[False][2] is False and seen[False][3] is None
+
+
+def test_an_operation_without_a_deterministic_implementation_is_named():
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.zeros(3).put_(torch.tensor([0, 1]), torch.ones(2))
+    except RuntimeError as err:
+        refused = err
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert nondeterministic_operation(refused) == "put_"
+    assert nondeterministic_operation(RuntimeError("CUDA error")) == ""

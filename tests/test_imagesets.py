@@ -112,11 +112,19 @@ def test_streamed_batches_are_the_in_memory_batches(folder, workers):
     assert torch.equal(held.labels, streamed.labels)
     assert (held.mean, held.std, held.classes) == (streamed.mean, streamed.std, streamed.classes)
     batches = index_batches(len(held), 5)
-    for idx, from_memory, from_files in zip(batches, held.batches(batches, CPU), streamed.batches(batches, CPU, workers),
-                                            strict=True):
+    for idx, (from_memory, labels), (from_files, streamed_labels) in zip(
+            batches, held.batches(batches, CPU), streamed.batches(batches, CPU, workers), strict=True):
         assert from_files.dtype == torch.uint8 and from_files.shape == (len(idx), 3, 32, 32)
         assert torch.equal(from_memory, from_files)
         assert torch.equal(from_memory, held.images[idx])
+        assert torch.equal(labels, held.labels[idx]) and torch.equal(streamed_labels, labels)
+    # Moved: the same pixels either way, each image's move its own (moves are indexed by image).
+    moves = torch.randint(-1, 2, (2, len(held)), generator=torch.Generator().manual_seed(3))
+    for idx, (from_memory, _), (from_files, _) in zip(
+            batches, held.batches(batches, CPU, moves=moves), streamed.batches(batches, CPU, workers, moves=moves),
+            strict=True):
+        assert torch.equal(from_memory, from_files)
+        assert torch.equal(from_memory, shift_images(held.images[idx], moves[:, idx]))
 
 
 def test_pixels_are_the_files_pixels_in_channel_first_order(tmp_path):
@@ -329,8 +337,9 @@ def test_mnist_like_sample_in_either_feed(sample_dir):
     streamed, streamed_test = load_mnist_like(MNIST_SAMPLE, sample_dir, "stream", CPU)
     assert streamed.shape == (1, 28, 28) and len(streamed_test) == 1000
     batches = index_batches(len(train), 500)
-    for a, b in zip(train.batches(batches, CPU), streamed.batches(batches, CPU, workers=2), strict=True):
-        assert torch.equal(a, b)
+    for (a, labels_a), (b, labels_b) in zip(train.batches(batches, CPU), streamed.batches(batches, CPU, workers=2),
+                                            strict=True):
+        assert torch.equal(a, b) and torch.equal(labels_a, labels_b)
     assert torch.equal(streamed_test.pictures(torch.tensor([4, 2])), test.images[[4, 2]])
 
 

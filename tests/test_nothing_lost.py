@@ -74,7 +74,8 @@ def test_another_world_size_keeps_the_step_count_and_the_logged_epochs(workdir):
     steps), finish, and the finished run stays finished, with every epoch logged once and
     the newest checkpoint the last one written."""
     per_epoch = steps_per_epoch(128)
-    args = ["--epochs", "2", "--ckpt-every", "10", "--run-name", "w"]
+    # 128 images per rank (not the default global batch): two ranks then take fewer steps an epoch
+    args = ["--epochs", "2", "--batch-size", "128", "--ckpt-every", "10", "--run-name", "w"]
     first = run_single([*args, "--interrupt-at", f"{per_epoch + 10}:USR1"], cwd=workdir)
     assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
     second = run_torchrun(2, args, cwd=workdir)

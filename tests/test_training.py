@@ -88,7 +88,7 @@ def test_srun_style_two_ranks(workdir):
     for result in results:
         assert_ok(result)
     rank0, rank1 = results
-    assert '"launcher": "slurm"' in rank0.stdout and "global batch 256 (2 x 128)" in rank0.stdout
+    assert '"launcher": "slurm"' in rank0.stdout and "global batch 128 (2 x 64)" in rank0.stdout
     assert "TensorBoard logs" not in rank1.stdout  # only rank 0 logs
     run_dir = workdir / "runs" / "job-4242"
     assert read_metrics(run_dir)[0]["test_images"] == 1000

@@ -62,7 +62,7 @@ def test_a_checkpoint_every_2_steps(tmp_path, stop):
     ckpt = read_checkpoint(tmp_path / "checkpoints" / "ckpt-00000002.pt", "cpu")
     assert (ckpt["progress"]["step"], ckpt["progress"]["step_in_epoch"]) == (2, 2)
     assert ckpt["rank_states"][0]["loss_sum"].tolist() == pytest.approx([0.7 * 8, 8])
-    assert (run.progress.step, run.loss.sums[1].item()) == (3, 12)
+    assert (run.progress.step, run.loss.images) == (3, 12)
 
 
 def test_a_stop_signal_ends_the_run_one_step_later_with_a_checkpoint(tmp_path, stop):

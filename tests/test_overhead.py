@@ -1,18 +1,26 @@
-"""Start-up: a default run on staged data imports only what it needs (no torchvision, no
-torch._dynamo and what it drags in), says at its first step how long it took to get
-there, and FusedAdamW is torch.optim.AdamW(fused=True) bit for bit.
+"""What a run costs besides training itself. Start-up: a default run on staged data imports
+only what it needs (no torchvision, no torch._dynamo and what it drags in), says at its
+first step how long it took to get there, and FusedAdamW is torch.optim.AdamW(fused=True)
+bit for bit. Each step: the tensor operations the loop dispatches around the training
+step (forward, backward, optimizer), counted with a TorchDispatchMode on the CPU, stay
+at 6 (each one a kernel launch on a GPU).
 
-Run: .venv/bin/python -m pytest tests/test_startup.py"""
+Run: .venv/bin/python -m pytest tests/test_overhead.py"""
 
+import collections
 import copy
+import itertools
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import mnist_ddp
 from conftest import SCRIPT, assert_ok, clean_env
+from ddpkit import training_run
 from ddpkit.optimizer import FusedAdamW
 
 # What a default run must not load: seconds of imports it never uses (torchvision's models
@@ -83,3 +91,47 @@ def test_fused_adamw_is_torch_adamw_bit_for_bit_and_their_states_load_into_each_
     steps(3)
     with pytest.raises(ValueError):
         ours.load_state_dict({"state": {}, "param_groups": saved_theirs["param_groups"] * 2})
+
+
+# The operations a step dispatches outside forward, backward and the optimizer, one process
+# on the CPU: the batch (one indexing of the shifted windows), normalising (subtract, divide),
+# the weight average (one fused lerp), the epoch's loss sum (one add) and the agreement's
+# loss (one copy). Several ranks add the agreement's all-reduce. It was 36 before the
+# batch, the loss sum and the agreement were made in place and once per epoch.
+OPERATIONS_PER_STEP = 6
+
+
+class OperationCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.operations, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.operations.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_dispatches_no_more_operations_than_it_did(tmp_path, monkeypatch):
+    count, ends = OperationCount(), []
+    train_step, step_done = mnist_ddp.train_step, training_run.TrainingRun.step_done
+
+    def the_step_itself(*args, **kwargs):  # forward, backward, the optimizer: not counted
+        count.paused = True
+        try:
+            return train_step(*args, **kwargs)
+        finally:
+            count.paused = False
+
+    def mark_the_step_end(self, *args, **kwargs):
+        step_done(self, *args, **kwargs)
+        ends.append(len(count.operations))
+
+    monkeypatch.setattr(mnist_ddp, "train_step", the_step_itself)
+    monkeypatch.setattr(training_run.TrainingRun, "step_done", mark_the_step_end)
+    with count:  # 20 steps of the defaults: none logs (every 50) or saves (every 500)
+        code = mnist_ddp.main(["--max-steps", "20", "--data-dir", str(tmp_path / "data"), "--log-dir", str(tmp_path)])
+    assert code == 0
+    per_step = [b - a for a, b in itertools.pairwise(ends)]
+    middle = collections.Counter(count.operations[ends[9]:ends[10]])
+    assert len(per_step) == 19 and max(per_step) <= OPERATIONS_PER_STEP, (per_step, middle)
