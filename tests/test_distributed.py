@@ -293,3 +293,21 @@ def test_an_operation_without_a_deterministic_implementation_is_named():
         torch.use_deterministic_algorithms(False)
     assert nondeterministic_operation(refused) == "put_"
     assert nondeterministic_operation(RuntimeError("CUDA error")) == ""
+
+
+def test_deterministic_run_that_meets_such_an_operation_stops_in_one_line(tmp_path):
+    """A user's step that uses an operation without a deterministic implementation: exit 2,
+    one line that names it, no traceback."""
+    code = ("import sys, torch, mnist_ddp\n"
+            "step = mnist_ddp.train_step\n"
+            "def my_step(*args, **kwargs):\n"
+            "    torch.zeros(3).put_(torch.tensor([0]), torch.ones(1))\n"
+            "    return step(*args, **kwargs)\n"
+            "mnist_ddp.train_step = my_step\n"
+            "sys.exit(mnist_ddp.main(sys.argv[1:]))\n")
+    result = run_python(["--max-steps", "2", "--deterministic", "--run-dir", "run"], tmp_path, code=code)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "mnist_ddp.py: error: --deterministic: put_ has no deterministic implementation on cpu, so this run cannot be "
+        "bit-identical; leave out --deterministic, or change the model or step that uses it")
+    assert "Traceback" not in result.stderr
