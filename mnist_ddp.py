@@ -339,7 +339,7 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
         pred = logits.argmax(1)
         sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums[1] += len(idx)
-        confusion.index_put_((y * n + pred,), torch.ones_like(y), accumulate=True)  # (deterministic, unlike bincount on CUDA)
+        confusion += torch.bincount(y * n + pred, minlength=n * n)
         if rt.is_main and not shown:
             shown, shown_pred = [idx[:keep]], [pred[:keep]]
         if rt.is_main and sum(map(len, wrong)) < keep:
@@ -400,12 +400,12 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
 def prepare_and_train(job: jobs.Job) -> None:
     """This process's part of the job: data, model, the run (resumed where it stopped), the loop."""
     recipe, options, rt = job.recipe, job.options, job.rt
-    batch_size = recipe.per_rank_batch(rt.world_size)  # (first: a global batch that does not split stops here)
     with job.startup.phase("data"):  # (for the `ready in` line at the first step)
         data_dir = staging.stage(options, recipe.dataset, rt)
         if options.download_only:
             print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
             return
+        batch_size = recipe.per_rank_batch(rt.world_size)  # (a global batch that does not split stops here)
         train_set, test_set = read_data(recipe, options, data_dir, job)
     model, raw_model, optimizer, average = build_training(recipe, options, rt, train_set)
     run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},

@@ -171,9 +171,11 @@ def read_checkpoint(path: Path, device: torch.device | str) -> dict:
 
 
 def checkpoint_differences(ckpt: dict, recipe: dict) -> dict[str, str]:
-    """The recipe's options (they set the course of training) that differ, each as 'there, here'."""
-    return {k: f"{flag(k)} {ckpt['config'].get(k)} there, {value} here"
-            for k, value in recipe.items() if ckpt["config"].get(k) != value}
+    """The recipe's options (they set the course of training) that differ, each as 'there, here'.
+    An option the checkpoint does not know (added to the recipe since it was saved, like
+    --global-batch) is not compared: what it knew says what to pass to go on."""
+    saved = ckpt["config"]
+    return {k: f"{flag(k)} {saved[k]} there, {value} here" for k, value in recipe.items() if k in saved and saved[k] != value}
 
 
 def refuse_if_unfitting(path: Path, saved: Mapping[str, torch.Tensor], model: nn.Module) -> None:

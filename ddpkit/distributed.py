@@ -72,18 +72,26 @@ def invisible_gpu_cause(visible: str | None, gpus: list[tuple[str, str, str]]) -
         return "CUDA_VISIBLE_DEVICES is set but empty, so CUDA shows no GPU"
     if visible is not None:
         entries = [entry.strip() for entry in visible.split(",")]
-        valid = [any(entry and (entry == index or uuid.startswith(entry)) for index, uuid, _ in gpus) for entry in entries]
+        # (MIG instances, MIG-<uuid>, are not in nvidia-smi's list of GPUs: taken as valid)
+        valid = [entry.startswith("MIG-") or any(entry and (entry == index or uuid.startswith(entry))
+                                                 for index, uuid, _ in gpus) for entry in entries]
         if not all(valid):
             wrong = entries[valid.index(False)]
             return (f"CUDA_VISIBLE_DEVICES={visible} names {f'GPU {wrong}' if wrong else 'an empty entry'}, which this "
                     f"node does not have (nvidia-smi lists {indices}), so CUDA shows "
                     f"{'no GPU' if not valid[0] else 'only the GPUs before it'}")
-    exclusive = [index for index, _, mode in gpus if "exclusive" in mode.lower()]
-    if exclusive:
-        return (f"GPU {', '.join(exclusive)} of this node is in exclusive-process mode: another process probably holds it "
-                "(nvidia-smi shows which)")
-    return (f"nvidia-smi lists GPUs {indices} but CUDA cannot open them: in a container, pass them in (--nv for "
-            "Apptainer, --gpus for Docker)")
+    return busy_gpu_cause(gpus) or (f"nvidia-smi lists GPUs {indices} but CUDA cannot open them: in a container, pass "
+                                    "them in (--nv for Apptainer, --gpus for Docker)")
+
+
+def busy_gpu_cause(gpus: list[tuple[str, str, str]]) -> str:
+    """The GPUs whose compute mode keeps this process out, as words, or ""."""
+    for word, why in (("exclusive", "is in exclusive-process mode: another process probably holds it (nvidia-smi shows "
+                                    "which)"), ("prohibited", "is in prohibited mode: no process may use it")):
+        held = [index for index, _, mode in gpus if word in mode.lower()]
+        if held:
+            return f"GPU {', '.join(held)} of this node {why}"
+    return ""
 
 
 def unusable_gpu_message(granted: str, torch_cuda: str | None, driver: str, driver_max_cuda: str, cause: str = "") -> str:
@@ -154,8 +162,9 @@ def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
         except RuntimeError as err:
             if "busy or unavailable" not in str(err):
                 raise
-            raise UsageError(f"{device} on {os.uname().nodename} is busy or unavailable ({invisible_gpu_cause(None, node_gpus())}); "
-                             "ask Slurm for a GPU of your own (--gpus-per-task=1 or --exclusive), or pass --device cpu") from None
+            cause = busy_gpu_cause(node_gpus()) or "another process may hold it"
+            raise UsageError(f"{device} on {os.uname().nodename} is busy or unavailable ({cause}); ask Slurm for a GPU of "
+                             "your own (--gpus-per-task=1 or --exclusive), or pass --device cpu") from None
         warning = amp_warning(config.amp, torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
         if warning and launch.rank == 0:
             print(warning, file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +50,17 @@ class ImageSet:
     classes: tuple[str, ...]                 # class names, index = label
     mean: tuple[float, ...]                  # per-channel mean of the training split's pixels, 0-1 scale
     std: tuple[float, ...]                   # per-channel standard deviation, same
+    # In memory: the images with a black border of one pixel, made once; `images` is then a
+    # view of its inside, so a shifted batch is one indexing of its windows (batches).
+    padded: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if (self.images is None) == (self.reader is None):
             raise ValueError("an ImageSet holds either images (memory) or a reader (stream)")
+        if self.images is not None:
+            padded = F.pad(self.images, (1, 1, 1, 1))
+            object.__setattr__(self, "padded", padded)
+            object.__setattr__(self, "images", padded[:, :, 1:-1, 1:-1])
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -83,10 +90,10 @@ class ImageSet:
             if moves is None:
                 yield from zip((self.images[idx].to(device) for idx in order.split(sizes)), labels, strict=True)
                 return
-            # Every image's 3 x 3 neighbourhood of windows, as views of one padded copy: a
+            # Every image's 3 x 3 neighbourhood of windows, as views of the padded images: a
             # batch is the window each of its images moves to.
             _, _, h, w = self.images.shape
-            windows = F.pad(self.images, (1, 1, 1, 1)).unfold(2, h, 1).unfold(3, w, 1)  # [N, C, 3, 3, h, w]
+            windows = self.padded.unfold(2, h, 1).unfold(3, w, 1)  # [N, C, 3, 3, h, w]
             targets = (1 - moves[:, order.to(moves.device)]).to(self.images.device)  # [2, images]: window row, column
             for idx, row, col, y in zip(order.split(sizes), targets[0].split(sizes), targets[1].split(sizes), labels,
                                         strict=True):

@@ -309,9 +309,10 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
         elif problem := storage_problem(err, options):
             code = fail(problem, who=who)
         elif operation := nondeterministic_operation(err):
-            code = fail(f"--deterministic: {operation} has no deterministic implementation on {job.rt.device if job else 'this device'}, "
-                        "so this run cannot be bit-identical; leave out --deterministic, or change the model or step "
-                        "that uses it", who=who)
+            device = job.rt.device if job else "this device"
+            code = fail(f"--deterministic: {operation} has no deterministic implementation on {device}, so this run "
+                        "cannot be bit-identical; leave out --deterministic, or change the model or step that uses it",
+                        who=who)
         else:
             traceback.print_exc()
             code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",

@@ -33,9 +33,12 @@ class FusedAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         group = {**self.defaults, **param_group,
                  "params": [params] if isinstance(params, torch.Tensor) else list(params)}
-        for p in group["params"]:
-            if p.device.type not in ("cpu", "cuda") or not p.is_floating_point():
-                raise ValueError(f"FusedAdamW takes floating-point CPU or CUDA tensors, not {p.dtype} on {p.device}")
+        kinds = {(p.device, p.dtype) for p in group["params"]}
+        if len(kinds) > 1 or any(device.type not in ("cpu", "cuda") or not dtype.is_floating_point for device, dtype in kinds):
+            raise ValueError(f"FusedAdamW takes floating-point CPU or CUDA tensors of one device and dtype per parameter "
+                             f"group, not {sorted(map(str, kinds))}")
+        if group["amsgrad"] or group["capturable"]:
+            raise ValueError("FusedAdamW does neither amsgrad nor capturable; use torch.optim.AdamW for those")
         self.param_groups.append(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -84,12 +87,16 @@ class FusedAdamW(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("loaded state dict has a different number of parameter groups or parameters")
+        if any(g.get("amsgrad") or g.get("capturable") for g in saved_groups):
+            raise ValueError("loaded state dict is of an AdamW with amsgrad or capturable, which FusedAdamW does not do")
         by_id = {}
         for mine, saved in zip(self.param_groups, saved_groups, strict=True):
             by_id.update(zip(saved["params"], mine["params"], strict=True))
             mine.update({k: v for k, v in saved.items() if k != "params"})
         self.state.clear()
         for key, saved in state_dict["state"].items():
+            if int(key) not in by_id:
+                raise ValueError(f"loaded state dict holds state for parameter {key}, which no parameter group lists")
             p = by_id[int(key)]
             self.state[p] = {"step": saved["step"].to(device=p.device, dtype=torch.float32),
                              **{k: v.to(device=p.device, dtype=p.dtype) for k, v in saved.items() if k != "step"}}

@@ -145,7 +145,7 @@ def tensorboard_api() -> SimpleNamespace:
                            plugin_data_pb2=plugin_data_pb2, SummaryWriter=SummaryWriter)
 
 
-def hparams_summary(tag: str, **content):
+def hparams_summary(tag: str, **content) -> object:
     tb = tensorboard_api()
     Summary, SummaryMetadata, metadata = tb.Summary, tb.SummaryMetadata, tb.metadata
     data = tb.plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **content)

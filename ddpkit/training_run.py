@@ -140,6 +140,7 @@ class TrainingRun:
         at its very last step, or at the cap, before the evaluation, evaluates here.)"""
         progress = self.progress
         if progress.last_record.get("step") != progress.step:
+            self.startup = None  # (no step follows: no `ready in` line)
             self.epoch_begins()
             self.evaluate_here(evaluate)
             self.checkpoint()

@@ -24,7 +24,9 @@ def test_benchmark_quick_run(tmp_path):
     for part in ("reference", "default"):  # counted from process start; the epoch each side crossed, if it did
         assert "crossed_at_epoch" in report[part] and all(e["since_start_s"] > 0 for e in report[part]["epochs"])
     table = (tmp_path / "out" / "bench.md").read_text()
-    assert "| time to " in table and "from process start |" in table and "| scaling: 2 ranks x 1 thread / 1 rank x 2 threads, 128 images per rank |" in table
+    assert "| time to " in table and "from process start |" in table
+    assert "| scaling: 2 ranks x 1 thread / 1 rank x 2 threads, the default global batch of 128 (2 x 64 / 1 x 128) |" in table
+    assert "| weak scaling: the same with 128 images per rank (--batch-size 128: 2 x 128 / 1 x 128) |" in table
 
 
 def test_gpu_mode_says_when_there_is_no_gpu(tmp_path):

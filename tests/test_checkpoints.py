@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ddpkit.checkpoints import (
     Progress,
+    checkpoint_differences,
     checkpoint_step,
     find_checkpoint,
     read_checkpoint,
@@ -310,3 +311,12 @@ def test_resume_from_refuses_a_checkpoint_of_other_classes(tmp_path):
     progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3,
                               max_steps=0, classes=("cat", "dog"))
     assert progress.step == 2
+
+
+def test_a_checkpoint_from_before_an_option_existed_is_compared_on_what_it_knew():
+    """A run saved when --batch-size was 128 per rank and --global-batch did not exist:
+    the refusal says to pass --batch-size 128, and with it the run goes on."""
+    old = {"config": {"batch_size": 128, "lr": 0.003}}
+    assert checkpoint_differences(old, {"global_batch": 128, "batch_size": 0, "lr": 0.003}) == {
+        "batch_size": "--batch-size 128 there, 0 here"}
+    assert checkpoint_differences(old, {"global_batch": 128, "batch_size": 128, "lr": 0.003}) == {}
