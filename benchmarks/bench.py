@@ -5,6 +5,7 @@
     python benchmarks/bench.py --fashion-dir DIR    # Fashion-MNIST .gz or IDX files from DIR
     python benchmarks/bench.py --quick              # a few steps of everything (smoke test)
     python benchmarks/bench.py --gpu                # on one CUDA GPU: defaults, --amp --channels-last, --compile
+    python benchmarks/bench.py --ranks              # test accuracy after 2 epochs on 1, 2, 4 and 8 ranks
 
 It runs, one after another on the same machine:
   1. reference: the seeds' loop (torchvision dataset + DataLoader with ToTensor, the
@@ -27,6 +28,11 @@ sides, and the epoch each crossed it (the reference runs until it first does, at
 evaluation, logging and checkpoint, over the limit's time for as many steps), scaling
 (2x1 over 1x2 throughput) and peak memory per rank. Every figure is a ratio or a time
 taken on this machine; the table says which machine.
+
+With --ranks it trains 2 epochs under torchrun on 1, 2, 4 and 8 ranks (one thread per rank,
+all the cores for one) three ways: the default global batch of 128 split among the ranks,
+128 images per rank (weak scaling), and that with --lr raised by the square root of the
+global batch's growth; it writes the test accuracy of each to OUT/ranks.{json,md}.
 
 With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --amp
 --channels-last, and --compile, each to the end, and reports time to the target,
@@ -258,6 +264,7 @@ def main() -> None:
     parser.add_argument("--reference-epochs", type=int, default=4,
                         help="most epochs of the reference loop; it stops at the first that reaches the target (default: %(default)s)")
     parser.add_argument("--gpu", action="store_true", help="mnist_ddp.py on one CUDA GPU: defaults, --amp --channels-last, --compile")
+    parser.add_argument("--ranks", action="store_true", help="test accuracy after 2 epochs on 1, 2, 4 and 8 ranks")
     parser.add_argument("--quick", action="store_true", help="a few steps of everything: checks that the benchmark runs")
     parser.add_argument("worker", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--dataset", help=argparse.SUPPRESS)
@@ -291,6 +298,8 @@ def main() -> None:
     threads = os.cpu_count() or 1
     if args.gpu:
         return gpu_benchmark(out, [*common, *quick], target, dataset, args.quick)
+    if args.ranks:
+        return ranks_benchmark(out, [*common, "--epochs", "2", *quick[:2]], dataset, args.quick)
 
     # Stage the data through mnist_ddp.py, so that both loops read the same files.
     subprocess.run([sys.executable, str(SCRIPT), "--dataset", dataset, "--data-dir", str(data_dir), "--download-only"],
@@ -357,6 +366,43 @@ def main() -> None:
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text(markdown(results))
     print(markdown(results))
+
+
+# ----------------------------------------------------------------------------- by rank count
+
+RANK_COUNTS = (1, 2, 4, 8)
+LR = 3e-3  # mnist_ddp.py's default --lr
+
+
+def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> None:
+    """Test accuracy after 2 epochs by rank count: the default global batch, 128 per rank,
+    and 128 per rank with --lr x sqrt(ranks) (the rule docs/defaults.md gives)."""
+    cores = os.cpu_count() or 1
+    ways = {"default (global batch 128)": lambda ranks: [],
+            "--batch-size 128 (global batch 128 x ranks)": lambda ranks: ["--batch-size", "128"],
+            "--batch-size 128 and --lr x sqrt(ranks)": lambda ranks: ["--batch-size", "128", "--lr",
+                                                                      f"{LR * ranks ** 0.5:.2g}"]}
+    counts = RANK_COUNTS[:2] if quick else RANK_COUNTS
+    results = {"machine": machine(), "dataset": dataset, "quick": quick, "accuracy": {}}
+    for way, extra in ways.items():
+        results["accuracy"][way] = {}
+        for ranks in counts:
+            if ranks == 1 and way != next(iter(ways)):  # (one rank: the same run as the default)
+                results["accuracy"][way][ranks] = results["accuracy"][next(iter(ways))][1]
+                continue
+            name = f"ranks{ranks}-{len(results['accuracy']) - 1}"
+            records = run_script(out, name, [*common, *extra(ranks)], ranks, max(1, cores // ranks) if ranks == 1 else 1)
+            results["accuracy"][way][ranks] = records[-1]["test_accuracy"]
+    (out / "ranks.json").write_text(json.dumps(results, indent=2))
+    m = results["machine"]
+    lines = [f"Data: {dataset}{' (quick run: not representative)' if quick else ''}, 2 epochs. Machine: {m['cpu']}, "
+             f"{m['cores']} cores, no GPU; torch {m['torch']}.", "",
+             "| test accuracy after 2 epochs | " + " | ".join(f"{r} rank{'s' * (r > 1)}" for r in counts) + " |",
+             "|---|" + "---|" * len(counts)]
+    for way, by_ranks in results["accuracy"].items():
+        lines.append(f"| {way} | " + " | ".join(f"{100 * by_ranks[r]:.2f} %" for r in counts) + " |")
+    (out / "ranks.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- on a GPU

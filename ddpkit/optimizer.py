@@ -3,7 +3,8 @@
 Both run the same fused kernel (torch._fused_adamw_), so the weights come out bit for bit
 the same. But torch.optim's constructor and every step import torch._dynamo (1.6 s on 2
 CPU cores, more from a cold file system; torch 2.14) and sort the tensors by device and
-dtype again at each step. This one does neither: one call of the kernel per step. Its
+dtype again at each step. This one does neither: one call of the kernel per step (a
+one-process run then never loads torch._dynamo; DDP's constructor imports it anyway). Its
 state and parameter groups are torch.optim.AdamW's own layout, so a state_dict of either
 loads into the other, and anything that checks for a torch.optim.Optimizer accepts it.
 Another optimizer works too: the recipe's training step and checkpoints take any

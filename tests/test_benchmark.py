@@ -1,5 +1,6 @@
 """The benchmark's one command runs end to end (its --quick mode: a few steps of every
-part) and writes its JSON and Markdown table with every figure present. It asserts no
+part) and writes its JSON and Markdown table with every figure present; so does its table
+by rank count (--ranks --quick, on 1 and 2 ranks). It asserts no
 timings: those are measured by the full run and written in the README.
 
     python -m pytest tests/test_benchmark.py
@@ -35,3 +36,17 @@ def test_gpu_mode_says_when_there_is_no_gpu(tmp_path):
                              str(tmp_path / "out")], env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode != 0 and "bench.py: --gpu needs a CUDA GPU, and torch sees none" in result.stderr
+
+
+def test_ranks_quick_run(tmp_path):
+    """--ranks --quick: the table by rank count, on 1 and 2 ranks, each way."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--ranks", "--quick", "--out",
+                             str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "ranks.json").read_text())
+    assert set(report["accuracy"]) == {"default (global batch 128)", "--batch-size 128 (global batch 128 x ranks)",
+                                       "--batch-size 128 and --lr x sqrt(ranks)"}
+    for by_ranks in report["accuracy"].values():
+        assert set(by_ranks) == {"1", "2"} and all(0 < accuracy <= 1 for accuracy in by_ranks.values())
+    table = (tmp_path / "out" / "ranks.md").read_text()
+    assert "| test accuracy after 2 epochs | 1 rank | 2 ranks |" in table
