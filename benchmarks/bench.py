@@ -4,7 +4,7 @@
     python benchmarks/bench.py                      # Fashion-MNIST if installed, else the sample
     python benchmarks/bench.py --fashion-dir DIR    # Fashion-MNIST .gz or IDX files from DIR
     python benchmarks/bench.py --quick              # a few steps of everything (smoke test)
-    python benchmarks/bench.py --gpu                # on one CUDA GPU: defaults, --amp --channels-last, --compile
+    python benchmarks/bench.py --gpu                # one CUDA GPU: defaults, --cuda-graphs, --amp --channels-last, --compile
     python benchmarks/bench.py --ranks              # test accuracy after 2 epochs on 1, 2, 4 and 8 ranks
 
 It runs, one after another on the same machine:
@@ -34,8 +34,8 @@ all the cores for one) three ways: the default global batch of 128 split among t
 128 images per rank (weak scaling), and that with --lr raised by the square root of the
 global batch's growth; it writes the test accuracy of each to OUT/ranks.{json,md}.
 
-With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --amp
---channels-last, and --compile, each to the end, and reports time to the target,
+With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --cuda-graphs,
+--amp --channels-last, and --compile, each to the end, and reports time to the target,
 final accuracy, images/s and the host synchronisations per training step (counted with
 torch.cuda.set_sync_debug_mode), in the same two files.
 """
@@ -263,7 +263,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     parser.add_argument("--reference-epochs", type=int, default=4,
                         help="most epochs of the reference loop; it stops at the first that reaches the target (default: %(default)s)")
-    parser.add_argument("--gpu", action="store_true", help="mnist_ddp.py on one CUDA GPU: defaults, --amp --channels-last, --compile")
+    parser.add_argument("--gpu", action="store_true", help="mnist_ddp.py on one CUDA GPU: defaults, --cuda-graphs, --amp --channels-last, --compile")
     parser.add_argument("--ranks", action="store_true", help="test accuracy after 2 epochs on 1, 2, 4 and 8 ranks")
     parser.add_argument("--quick", action="store_true", help="a few steps of everything: checks that the benchmark runs")
     parser.add_argument("worker", nargs="?", help=argparse.SUPPRESS)
@@ -362,6 +362,10 @@ def main() -> None:
                     "2x1_peak_rss_mb": two_by_one[-1]["peak_rss_mb"], "1x2_peak_rss_mb": one_by_two[-1]["peak_rss_mb"]},
     }
     results["time_ratio"] = ref_time / our_time if ref_time and our_time else None
+    # The reference's accuracy after its second epoch lands on either side of 90 % from one
+    # machine and torch to the next: the ratio had it crossed there, whichever it did.
+    ref_second = next((e["since_start_s"] for e in ref["epochs"] if e["epoch"] == 2), None)
+    results["time_ratio_reference_epoch_2"] = ref_second / our_time if ref_second and our_time else None
     results["speed_ratio"] = our_speed / ref_speed
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text(markdown(results))
@@ -407,7 +411,8 @@ def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> 
 
 # ----------------------------------------------------------------------------- on a GPU
 
-GPU_VARIANTS = {"defaults": [], "--amp --channels-last": ["--amp", "--channels-last"], "--compile": ["--compile"]}
+GPU_VARIANTS = {"defaults": [], "--cuda-graphs": ["--cuda-graphs"], "--amp --channels-last": ["--amp", "--channels-last"],
+                "--compile": ["--compile"]}
 
 
 def gpu_worker(args) -> None:
@@ -528,9 +533,13 @@ def markdown(r: dict) -> str:
     m, ref, d, s = r["machine"], r["reference"], r["default"], r["scaling"]
     target = f"{100 * r['target_accuracy']:.0f} %"
     at = lambda side: f" (epoch {side['crossed_at_epoch']})" if side["crossed_at_epoch"] else f" (not in {len(side['epochs'])} epochs)"
+    second = ref["epochs"][1] if len(ref["epochs"]) > 1 else None
     rows = [
         ("time to " + target + " test accuracy, from process start", f"{fmt(ref['time_to_target_s'])} s{at(ref)}",
          f"{fmt(d['time_to_target_s'])} s{at(d)}", f"{fmt(r['time_ratio'], '.1f', 'n/a')}x shorter"),
+        ("the same, against the reference's second epoch whatever its accuracy",
+         f"{second['since_start_s']:.1f} s ({100 * second['test_accuracy']:.2f} %)" if second else "no second epoch", "",
+         f"{fmt(r.get('time_ratio_reference_epoch_2'), '.1f', 'n/a')}x shorter"),
         ("training images/s (median epoch)", f"{ref['images_per_s']:.0f}", f"{d['images_per_s']:.0f}", f"{r['speed_ratio']:.1f}x"),
         ("final test accuracy", f"{100 * ref['final_accuracy']:.2f} % ({len(ref['epochs'])} epochs)",
          f"{100 * d['final_accuracy']:.2f} % ({len(d['epochs'])} epochs)", ""),
