@@ -372,7 +372,8 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
     each, then an evaluation of the (averaged) weights. `run` does everything around the
     steps (the ranks' agreement, checkpoints, stops, logs): one call per step, one per epoch."""
     eval_model = average.model if average else raw_model
-    step = GraphedStep(train_step, rt.device) if options.cuda_graphs else train_step  # (the same steps, replayed)
+    batch_size = recipe.per_rank_batch(rt.world_size)
+    step = GraphedStep(train_step, rt.device, batch_size) if options.cuda_graphs else train_step  # (the same steps)
 
     def evaluate_now() -> Evaluation:
         sync_buffers(raw_model)  # every rank scores with rank 0's BatchNorm statistics
@@ -382,11 +383,12 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
 
     while not run.done():
         run.epoch_begins()
-        epoch, size = run.progress.epoch, recipe.per_rank_batch(rt.world_size)
+        epoch = run.progress.epoch
         shard = epoch_shard(len(train_set), epoch, recipe.seed, rt.rank, rt.world_size).to(rt.device)
         shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
         shifts = shifts if shifts is None else shifts.to(rt.device)
-        batches = [shard[k * size: (k + 1) * size] for k in range(run.progress.step_in_epoch, run.steps_per_epoch)]
+        batches = [shard[k * batch_size: (k + 1) * batch_size]
+                   for k in range(run.progress.step_in_epoch, run.steps_per_epoch)]
         for images, y in train_set.batches(batches, rt.device, options.data_workers, moves=shifts):
             if run.done():  # the --max-steps cap, in mid-epoch
                 break

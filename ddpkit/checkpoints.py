@@ -253,8 +253,8 @@ def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: in
     """Load a checkpoint rank 0 chose into `state` (the recipe's model, optimizer, ...);
     returns where to go on and this rank's loss sums of the epoch in progress. A checkpoint
     of other `classes` (another image folder) is refused."""
-    # Read onto the CPU: load_state_dict places each tensor beside its parameter, except
-    # AdamW's step counts, which must stay on the CPU or every step syncs with the GPU.
+    # Read onto the CPU: load_state_dict places each tensor beside its parameter (the fused
+    # AdamW's step counts too, which its kernel reads on the parameters' device).
     ckpt = read_checkpoint(path, "cpu")
     saved_classes = ckpt.get("classes")  # (none in checkpoints from before classes were saved)
     if classes is not None and saved_classes is not None and list(saved_classes) != list(classes):

@@ -7,13 +7,16 @@ then a copy of each batch into them and a replay. Every call is a real training 
 the warm-up steps train, and the step that captures replays at once, so a run with the
 option takes the same steps as one without. The learning rate lives in a tensor that
 the captured optimizer reads, and is written before each replay; the optimizer's group
-keeps the plain number, for logs and checkpoints. A batch of another shape (an epoch's
-last, shorter one) runs eagerly.
+keeps the plain number, for logs and checkpoints. Only full batches are captured and
+replayed: a shorter one (an epoch's last) runs eagerly, on the default stream. The
+capture waits until the optimizer holds state for every weight, so that no state is
+made inside the graph (a replay would zero it again).
 
 Where it does not apply, the run stops at start-up with one line (check_cuda_graphs): on
 a CPU, with --compile (whose mode="reduce-overhead" makes graphs of its own), and with
-several ranks, because DDP's gradient all-reduce inside a captured step failed on torch
-2.11 with NCCL, the documented way (warm-up steps, TORCH_NCCL_ASYNC_ERROR_HANDLING=0)."""
+several ranks: capturing DDP's gradient all-reduce needs NCCL's graph support and warm-up
+rules of its own (PyTorch's notes, "Usage with DistributedDataParallel"), which this
+template does not follow yet."""
 
 from collections.abc import Callable
 
@@ -33,8 +36,8 @@ def check_cuda_graphs(device: torch.device, world_size: int, compile: bool) -> N
         raise UsageError("--cuda-graphs and --compile do not go together (torch.compile makes CUDA graphs of its own "
                          "with mode='reduce-overhead'); pass one of them")
     if world_size > 1:
-        raise UsageError(f"--cuda-graphs captures one GPU's training step, and this run has {world_size} ranks: DDP's "
-                         "gradient all-reduce cannot be captured with it; leave --cuda-graphs out, or train on one GPU")
+        raise UsageError(f"--cuda-graphs captures one GPU's training step, and this run has {world_size} ranks: it does "
+                         "not capture DDP's gradient all-reduce; leave --cuda-graphs out, or train on one GPU")
 
 
 class GraphedStep:
@@ -42,17 +45,17 @@ class GraphedStep:
     The loss it returns is the graph's own tensor, overwritten by the next replay: read it
     (or copy it) before the next step, as the training run does."""
 
-    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device):
-        self.step, self.device = step, device
+    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, batch_size: int):
+        self.step, self.device, self.batch_size = step, device, batch_size
         self.side = torch.cuda.Stream(device)
         self.warm, self.graph = 0, None
         self.x = self.y = self.lr = self.loss = None
 
     def __call__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, x: torch.Tensor,
                  y: torch.Tensor, *rest) -> torch.Tensor:
-        if self.graph is not None and (x.shape != self.x.shape or y.shape != self.y.shape):
+        if len(x) != self.batch_size:
             return self.step(model, optimizer, lr, x, y, *rest)  # a shorter batch: eagerly
-        if self.warm < WARMUP_STEPS:
+        if self.graph is None and (self.warm < WARMUP_STEPS or not has_state(optimizer)):
             self.warm += 1
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
@@ -77,5 +80,12 @@ class GraphedStep:
         self.lr = torch.zeros((), dtype=torch.float32, device=self.device)
         optimizer.zero_grad(set_to_none=True)  # backward then makes the gradients inside the graph's memory
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: a DataLoader's pin-memory thread (--data-feed stream) may allocate
+        # pinned memory meanwhile, which a global capture would take as its own error.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.loss = self.step(model, optimizer, self.lr, self.x, self.y, *rest)
+
+
+def has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has made its state for every weight that trains."""
+    return all(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad)

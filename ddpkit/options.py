@@ -50,8 +50,8 @@ class RunOptions:
     deterministic: bool = option(False, "bit-identical GPU runs and resumes: deterministic cuDNN and cuBLAS kernels, "
                                  "torch.use_deterministic_algorithms (slower on GPUs; CPU runs are bit-identical "
                                  "without it)", "speed")
-    cuda_graphs: bool = option(False, "replay each training step (forward, backward, optimizer) as one CUDA graph: one "
-                               "launch instead of hundreds (one GPU; not with --compile)", "speed")
+    cuda_graphs: bool = option(False, "replay each training step (forward, backward, optimizer) as one CUDA graph "
+                               "instead of launching its kernels one by one (one GPU; not with --compile)", "speed")
     # output
     log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "

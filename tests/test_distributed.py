@@ -318,7 +318,7 @@ def test_deterministic_run_that_meets_such_an_operation_stops_in_one_line(tmp_pa
 @pytest.mark.parametrize("device, world_size, compile, words", [
     ("cpu", 1, False, "--cuda-graphs replays the training step on a CUDA GPU, and this run is on cpu"),
     ("cuda", 1, True, "--cuda-graphs and --compile do not go together"),
-    ("cuda", 2, False, "--cuda-graphs captures one GPU's training step, and this run has 2 ranks"),
+    ("cuda", 2, False, "--cuda-graphs captures one GPU's training step, and this run has 2 ranks: it does not capture"),
 ])
 def test_cuda_graphs_where_they_cannot_work_is_refused_in_one_line(device, world_size, compile, words):
     with pytest.raises(UsageError, match=words):
