@@ -43,6 +43,7 @@ install_packages() {
     command -v sbatch >/dev/null || missing+=(slurm-client)
     command -v munged >/dev/null || missing+=(munge)
     command -v shellcheck >/dev/null || missing+=(shellcheck)
+    command -v bwrap >/dev/null || missing+=(bubblewrap)  # the tests' container runtime (CONTAINER_CMD)
     [[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)  # the tests' SSH tunnel to a compute node
     [[ -d /usr/share/datasets/fashion-mnist ]] || missing+=(dataset-fashion-mnist)
     (( ${#missing[@]} )) || return 0

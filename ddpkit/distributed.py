@@ -205,9 +205,16 @@ def nondeterministic_operation(err: BaseException) -> str:
     return found.group(1) if found else ""
 
 
-def teardown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown_distributed(together: bool = False) -> None:
+    """Destroy the process group. `together`: every rank ended the same way (done, or stopped
+    at the step they agreed on), so they first wait for each other: a rank that destroyed
+    its group while a peer still used it was seen to abort at exit (Gloo, torch 2.15)."""
+    if not dist.is_initialized():
+        return
+    if together:
+        with contextlib.suppress(Exception):  # a peer gone after all: nothing left to wait for
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- collectives, labelled

@@ -246,8 +246,14 @@ class Job:
             print(f"stopping on {why} at step {self.run.progress.step}: saved {path}", flush=True)
         barrier("the barrier before stopping")  # the checkpoint is complete before anyone can be killed
         # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
-        # ends every process here.
-        if rt.is_main and (stop.received == signal.SIGINT or not requeue_slurm_job(self.launch)):
+        # ends every process here. Under run_training.sbatch the batch shell requeues the
+        # job once the step has ended, on the host: in a container, scontrol may be missing.
+        if rt.is_main and stop.received != signal.SIGINT and os.environ.get("MNIST_DDP_REQUEUED_BY"):
+            write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received or signal.SIGUSR1).name}\n")
+            print(f"{os.environ['MNIST_DDP_REQUEUED_BY']} requeues the job when this step has ended; where it cannot, "
+                  "the line below continues the run", flush=True)
+            print(f"to continue: {self.continue_command()}", flush=True)
+        elif rt.is_main and (stop.received == signal.SIGINT or not requeue_slurm_job(self.launch)):
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")
         return EXIT_STOPPED
@@ -324,6 +330,6 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
                 job.logger.close()
             if job.claim:
                 job.claim.release(code)
-        teardown_distributed()
+        teardown_distributed(together=code in (0, EXIT_STOPPED))
         stop.restore()
     return code

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -107,11 +108,35 @@ def test_usr1_saves_requeues_and_resumes(cluster, launcher, request, tmp_path):
     assert re.search(rf"^START .* restart=0 .* launcher={launcher} ", out, re.M)
     assert re.search(r"^START .* restart=1 ", out, re.M)
     assert re.search(r"^0: stopping on SIGUSR1 at step \d+: saved ", out, re.M)
-    assert f"requeueing Slurm job {job_id}" in out
+    assert re.search(rf"^requeueing Slurm job {job_id} after SIGUSR1; ", out, re.M)  # by the batch shell, on the host
     assert re.search(rf"^0: resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
     metrics = read_metrics(tmp_path / "runs" / f"job-{job_id}")
     assert [m["epoch"] for m in metrics] == list(range(1, 9))
     assert metrics[-1]["test_accuracy"] >= 0.95
+
+
+def test_ranks_in_a_container_without_scontrol_are_requeued_from_the_host(one_node, tmp_path):
+    """CONTAINER_CMD runs every rank inside a real container runtime (bubblewrap), where
+    scontrol is hidden: on USR1 the ranks save and end the step with 75, the batch shell
+    requeues the job on the host, and the job resumes inside the container and completes."""
+    scontrol = shutil.which("scontrol")
+    inside = f"bwrap --dev-bind / / --ro-bind /dev/null {scontrol}"
+    seen = subprocess.run([*inside.split(), sys.executable, "-c", "import shutil; print(shutil.which('scontrol'))"],
+                          capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == "None"  # the container really has no scontrol
+    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                             ["--batch-size", "64", "--epochs", "3", "--ckpt-every", "10"], CONTAINER_CMD=inside)
+    job_id = wait_for_epoch_1(client, tmp_path)
+    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
+                   env=one_node.env, check=True, timeout=60)
+    _, out = finish(client, tmp_path)
+    assert re.search(rf"^PREFLIGHT python=.* container=CONTAINER_CMD={re.escape(inside)}$", out, re.M), out[:2000]
+    assert re.search(r"^0: stopping on SIGUSR1 at step \d+: saved ", out, re.M)
+    assert "0: run_training.sbatch requeues the job when this step has ended; where it cannot, the line below continues the run" in out
+    assert re.search(rf"^requeueing Slurm job {job_id} after SIGUSR1; ", out, re.M)
+    assert re.search(r"^START .* restart=1 ", out, re.M)
+    assert re.search(rf"^0: resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / f"job-{job_id}")] == [1, 2, 3]
 
 
 def test_guard_outside_slurm(tmp_path):
