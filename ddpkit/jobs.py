@@ -248,10 +248,12 @@ class Job:
         # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
         # ends every process here. Under run_training.sbatch the batch shell requeues the
         # job once the step has ended, on the host: in a container, scontrol may be missing.
-        if rt.is_main and stop.received != signal.SIGINT and os.environ.get("MNIST_DDP_REQUEUED_BY"):
-            write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received or signal.SIGUSR1).name}\n")
-            print(f"{os.environ['MNIST_DDP_REQUEUED_BY']} requeues the job when this step has ended; where it cannot, "
-                  "the line below continues the run", flush=True)
+        if rt.is_main and os.environ.get("MNIST_DDP_REQUEUED_BY"):
+            # Its SIGNAL (USR1 by default) asks for a requeue; another one (scancel's SIGTERM) only stops.
+            if stop.received and signal.Signals(stop.received).name == "SIG" + os.environ.get("MNIST_DDP_REQUEUE_SIGNAL", "USR1"):
+                write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received).name}\n")
+                print(f"{os.environ['MNIST_DDP_REQUEUED_BY']} requeues the job when this step has ended; where it "
+                      "cannot, the line below continues the run", flush=True)
             print(f"to continue: {self.continue_command()}", flush=True)
         elif rt.is_main and (stop.received == signal.SIGINT or not requeue_slurm_job(self.launch)):
             print(f"to continue: {self.continue_command()}", flush=True)

@@ -42,7 +42,8 @@ class AlreadyComplete(Exception):
 
 
 class StopSignals:
-    """SIGUSR1 (Slurm's --signal), SIGTERM (preemption, time limit, torchrun) and, once
+    """SIGUSR1 (Slurm's --signal), SIGTERM (preemption, time limit, torchrun), SIGHUP (a
+    site's preemption signal, a closed terminal) and, once
     training runs, SIGINT (Ctrl-C, which torchrun passes on to its workers) only set a flag
     here; the training loop acts on it at the next step boundary, where every rank agrees,
     rank 0 saves and (on USR1 or TERM) the job requeues itself. Saving inside a handler
@@ -54,7 +55,7 @@ class StopSignals:
 
     def __init__(self):
         self.received, self.training = 0, False
-        signals = [signal.SIGUSR1, signal.SIGTERM]
+        signals = [signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP]
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signals.append(signal.SIGINT)
         self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
@@ -184,6 +185,15 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
         raise UsageError(f"{name}={env[name]!r} is not an integer; unset it or fix the launcher") from None
 
 
+def refuse_training_alone(env: Mapping[str, str]) -> None:
+    """A job of several tasks, but this process is not one of srun's (a batch script's or an
+    salloc shell's `python mnist_ddp.py`): it would train alone on a share of the allocation."""
+    ntasks = _int_var(env, "SLURM_NTASKS")
+    if ntasks > 1 and "SLURM_STEP_ID" not in env:
+        raise UsageError(f"SLURM_NTASKS={ntasks} but this process was not started by srun, so it would train alone. "
+                         "HINT: run it as `srun python mnist_ddp.py ...` (run_training.sbatch does), or ask for --ntasks=1")
+
+
 def read_launch_env(env: Mapping[str, str]) -> Launch:
     """The one place that reads the launcher's variables: torchrun, then Slurm, then one process."""
     job_id = env.get("SLURM_JOB_ID", "")
@@ -204,9 +214,7 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
         ntasks = _int_var(env, "SLURM_NTASKS")
         if not env.get("SLURM_JOB_ID", "0").isdigit():
             raise UsageError(f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r} is not a job id; unset it or set MASTER_PORT")
-        if ntasks > 1 and "SLURM_STEP_ID" not in env:
-            raise UsageError(f"SLURM_NTASKS={ntasks} but this process was not started by srun, so it would train alone. "
-                             "HINT: run it as `srun python mnist_ddp.py ...` (run_training.sbatch does), or ask for --ntasks=1")
+        refuse_training_alone(env)
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         if not nodelist and ntasks > 1:
             raise UsageError("SLURM_JOB_NODELIST is not set, so the first host is unknown; set MASTER_ADDR")
@@ -218,6 +226,8 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
         launch = Launch("slurm", _int_var(env, "SLURM_PROCID"), local_rank, ntasks, master_addr, master_port, job_id,
                         num_threads, max(local_world, local_rank + 1), gpu_per_task=bool(env.get("SLURM_GPUS_PER_TASK")))
     else:
+        if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:  # an salloc shell sets no SLURM_PROCID
+            refuse_training_alone(env)
         launch = Launch("single", 0, 0, 1, "127.0.0.1", 0, job_id, num_threads)
     # Restarts: run_training.sbatch numbers its attempts (srun mode); torchrun counts its own.
     attempt = env.get("MNIST_DDP_ATTEMPT", "1/1")

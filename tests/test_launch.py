@@ -95,6 +95,15 @@ def test_slurm_without_srun_fails_with_hint():
         read_launch_env(env)
 
 
+def test_an_salloc_shell_of_several_tasks_fails_with_the_same_hint():
+    """salloc sets the job's variables but no SLURM_PROCID: a bare `python mnist_ddp.py`
+    there would train alone on one task's share."""
+    env = {"SLURM_JOB_ID": "8", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1", "SLURM_NNODES": "1"}
+    with pytest.raises(UsageError, match=r"SLURM_NTASKS=2 but this process was not started by srun.*HINT"):
+        read_launch_env(env)
+    assert read_launch_env({**env, "SLURM_NTASKS": "1"}).source == "single"
+
+
 def test_slurm_batch_step_with_one_task_runs_alone():
     launch = read_launch_env({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"})
     assert (launch.source, launch.world_size, launch.job_id) == ("slurm", 1, "7")

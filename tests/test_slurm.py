@@ -397,3 +397,37 @@ def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_n
     assert "not training again" not in out_a and "to continue from the newest checkpoint, from " in out_a
     epochs = [m["epoch"] for m in read_metrics(run_dir)]
     assert epochs == list(range(1, len(epochs) + 1))
+
+
+@pytest.mark.parametrize("launcher, sent, chosen, to_batch", [
+    ("srun", "HUP", "HUP", False),
+    ("srun", "TERM", "TERM", False),
+    ("torchrun", "INT", "INT", False),
+    ("torchrun", "USR1", "USR1", True),   # #SBATCH --signal=B:USR1: only the batch shell gets it
+    ("srun", "TERM", "USR1", False),      # scancel's SIGTERM when SIGNAL is USR1: save and stop
+])
+def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(one_node, tmp_path, launcher, sent, chosen,
+                                                                         to_batch):
+    """SIGNAL chooses the signal that means "save and requeue"; sent to the ranks, or to the
+    batch shell alone (B:), which passes it on. Any other stop signal saves and stops (75)."""
+    requeued = sent == chosen
+    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                                        f"--signal={'B:' if to_batch else ''}{chosen}@60"],
+                             ["--batch-size", "64", "--epochs", "3", "--ckpt-every", "10"], LAUNCHER=launcher,
+                             SIGNAL=chosen)
+    job_id = wait_for_epoch_1(client, tmp_path)
+    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", f"--signal={sent}",
+                    *(["--batch"] if to_batch else []), job_id], env=one_node.env, check=True, timeout=60)
+    _, out = finish(client, tmp_path, code=0 if requeued else 75)
+    if to_batch:
+        assert f"passing SIG{sent} on to the ranks of job {job_id}" in out
+    assert re.search(rf"^0: stopping on SIG{sent} at step \d+: saved ", out, re.M), out[-3000:]
+    assert bool(re.search(rf"^requeueing Slurm job {job_id} after SIG{sent}; ", out, re.M)) == requeued
+    assert bool(re.search(r"^START .* restart=1 ", out, re.M)) == requeued
+    epochs = [m["epoch"] for m in read_metrics(tmp_path / "runs" / f"job-{job_id}")]
+    if requeued:
+        assert re.search(rf"^0: resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
+        assert epochs == [1, 2, 3]
+    else:
+        assert f"job={job_id} exit=75" in out and re.search(r"^to continue from the newest checkpoint, from ", out, re.M)
+        assert epochs[-1] < 3
