@@ -72,6 +72,10 @@ def requeue_slurm_job(launch: Launch) -> bool:
     try:
         shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True,
                                timeout=SCONTROL_TIMEOUT)
+        if "BatchFlag=0" in shown.stdout:
+            print(f"Slurm job {launch.job_id} is an interactive allocation (salloc), which Slurm does not requeue",
+                  flush=True)
+            return False
         if "Requeue=1" not in shown.stdout:
             print(f"Slurm job {launch.job_id} may not be requeued (it was submitted without --requeue)", flush=True)
             return False
