@@ -205,6 +205,9 @@ def nondeterministic_operation(err: BaseException) -> str:
     return found.group(1) if found else ""
 
 
+TEARDOWN_WAIT = 30  # seconds the ranks wait for each other at the end
+
+
 def teardown_distributed(together: bool = False) -> None:
     """Destroy the process group. `together`: every rank ended the same way (done, or stopped
     at the step they agreed on), so they first wait for each other: a rank that destroyed
@@ -212,8 +215,8 @@ def teardown_distributed(together: bool = False) -> None:
     if not dist.is_initialized():
         return
     if together:
-        with contextlib.suppress(Exception):  # a peer gone after all: nothing left to wait for
-            dist.barrier()
+        with contextlib.suppress(Exception):  # a peer gone, or ended otherwise: nothing to wait for
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=TEARDOWN_WAIT))
     dist.destroy_process_group()
 
 

@@ -255,7 +255,8 @@ class Job:
         if rt.is_main and os.environ.get("MNIST_DDP_REQUEUED_BY"):
             # Its SIGNAL (USR1 by default) asks for a requeue; another one (scancel's SIGTERM) only stops.
             if stop.received and signal.Signals(stop.received).name == "SIG" + os.environ.get("MNIST_DDP_REQUEUE_SIGNAL", "USR1"):
-                write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received).name}\n")
+                with contextlib.suppress(OSError):  # (then the batch shell prints the continue line)
+                    write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received).name}\n")
                 print(f"{os.environ['MNIST_DDP_REQUEUED_BY']} requeues the job when this step has ended; where it "
                       "cannot, the line below continues the run", flush=True)
             print(f"to continue: {self.continue_command()}", flush=True)
@@ -286,9 +287,11 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
     stop, who = stop or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
     code, launch, options, job = EXIT_BUG, None, None, None
     try:
-        launch = read_launch_env(os.environ)
+        launch = read_launch_env(os.environ, alone_ok=True)
         who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
         recipe, options = parse_options(recipe_class, argv, manual)
+        if not options.download_only:
+            launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         earlier, rank_file = unfixable_exit(launch)
         if earlier:
             print(f"{PROG}{who}: not training again: an earlier attempt ended with exit code {earlier} ({rank_file}), "

@@ -51,13 +51,16 @@ class StopSignals:
     save is a step away changes nothing (torchrun passes a second one on as SIGTERM, and
     kills workers still saving after 30 s). Before training starts there is nothing to
     save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a rendezvous or a
-    download. A SIGINT that the parent set to be ignored stays ignored."""
+    download. A SIGINT or SIGHUP that the parent set to be ignored (nohup) stays ignored.
+    Under run_training.sbatch only its SIGNAL (USR1 by default) requeues the job; the
+    others save and stop."""
 
     def __init__(self):
         self.received, self.training = 0, False
-        signals = [signal.SIGUSR1, signal.SIGTERM, signal.SIGHUP]
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            signals.append(signal.SIGINT)
+        signals = [signal.SIGUSR1, signal.SIGTERM]
+        # One the parent set to be ignored stays ignored: SIGHUP under nohup, SIGINT in a
+        # shell's background job.
+        signals += [sig for sig in (signal.SIGHUP, signal.SIGINT) if signal.getsignal(sig) is not signal.SIG_IGN]
         self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
 
     def handle(self, signum, frame) -> None:
@@ -194,8 +197,10 @@ def refuse_training_alone(env: Mapping[str, str]) -> None:
                          "HINT: run it as `srun python mnist_ddp.py ...` (run_training.sbatch does), or ask for --ntasks=1")
 
 
-def read_launch_env(env: Mapping[str, str]) -> Launch:
-    """The one place that reads the launcher's variables: torchrun, then Slurm, then one process."""
+def read_launch_env(env: Mapping[str, str], alone_ok: bool = False) -> Launch:
+    """The one place that reads the launcher's variables: torchrun, then Slurm, then one
+    process. `alone_ok`: one process in an salloc shell of several tasks is not refused (it
+    may train nothing: --help, --download-only)."""
     job_id = env.get("SLURM_JOB_ID", "")
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
@@ -226,7 +231,7 @@ def read_launch_env(env: Mapping[str, str]) -> Launch:
         launch = Launch("slurm", _int_var(env, "SLURM_PROCID"), local_rank, ntasks, master_addr, master_port, job_id,
                         num_threads, max(local_world, local_rank + 1), gpu_per_task=bool(env.get("SLURM_GPUS_PER_TASK")))
     else:
-        if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:  # an salloc shell sets no SLURM_PROCID
+        if "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env and not alone_ok:  # an salloc shell sets no SLURM_PROCID
             refuse_training_alone(env)
         launch = Launch("single", 0, 0, 1, "127.0.0.1", 0, job_id, num_threads)
     # Restarts: run_training.sbatch numbers its attempts (srun mode); torchrun counts its own.

@@ -4,9 +4,11 @@ a missing srun, ranks that do not add up) and the single-process fallback.
     python -m pytest tests/test_launch.py
 """
 
+import signal
+
 import pytest
 
-from ddpkit.launch import UsageError, expand_hostlist, port_from_job_id, read_launch_env, tasks_on_node
+from ddpkit.launch import StopSignals, UsageError, expand_hostlist, port_from_job_id, read_launch_env, tasks_on_node
 
 SRUN_TASK = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8"}
@@ -102,6 +104,21 @@ def test_an_salloc_shell_of_several_tasks_fails_with_the_same_hint():
     with pytest.raises(UsageError, match=r"SLURM_NTASKS=2 but this process was not started by srun.*HINT"):
         read_launch_env(env)
     assert read_launch_env({**env, "SLURM_NTASKS": "1"}).source == "single"
+    assert read_launch_env(env, alone_ok=True).source == "single"  # (--help, --download-only)
+
+
+def test_a_hangup_ignored_by_nohup_stays_ignored():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stop = StopSignals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        stop.restore()
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        stop = StopSignals()
+        assert signal.getsignal(signal.SIGHUP) == stop.handle
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_slurm_batch_step_with_one_task_runs_alone():
