@@ -63,9 +63,15 @@ class RunClaim:
                                  "service); ask your admins, or pass a --log-dir on another file system") from None
             if err.errno not in (errno.EACCES, errno.EAGAIN):
                 raise
-            self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
+            holder = ""
+            for _ in range(20):  # the holder writes who it is just after it locks: give it a second
+                self.file.seek(0)
+                holder = self.file.read().strip()
+                if holder:
+                    break
+                time.sleep(0.05)
             self.file.close()
+            holder = holder or "another process"
             raise RunDirTaken(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
                               "--run-name to start a separate run") from None
         self.file.seek(0)
