@@ -4,8 +4,8 @@
 #
 # Usage:
 #   local-slurm.sh install              install Debian's slurmctld slurmd slurm-client munge
-#                                       (and, for the tests, shellcheck, openssh-server and
-#                                       dataset-fashion-mnist) where missing
+#                                       (and, for the tests, shellcheck, openssh-server,
+#                                       bubblewrap and dataset-fashion-mnist) where missing
 #   local-slurm.sh start DIR [NODES]    start a cluster whose files all live under DIR:
 #                                       NODES=1 (default): one node on the host's network;
 #                                       NODES>1: NODES nodes, each slurmd in a network namespace
