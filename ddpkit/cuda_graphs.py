@@ -1,5 +1,5 @@
 """--cuda-graphs: the recipe's training step (forward, backward, optimizer) replayed as one
-CUDA graph, so that a step costs one launch instead of hundreds of kernel launches.
+CUDA graph, so that a step costs one graph launch instead of each of its kernels' own.
 
 It follows PyTorch's whole-network capture ("CUDA Graphs" in its CUDA semantics notes):
 a few eager steps on a side stream first, then one capture with static input tensors,

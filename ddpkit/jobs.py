@@ -252,15 +252,16 @@ class Job:
         # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
         # ends every process here. Under run_training.sbatch the batch shell requeues the
         # job once the step has ended, on the host: in a container, scontrol may be missing.
-        if rt.is_main and os.environ.get("MNIST_DDP_REQUEUED_BY"):
+        batch_file = os.environ.get("MNIST_DDP_REQUEUED_BY")
+        if rt.is_main and batch_file:
             # Its SIGNAL (USR1 by default) asks for a requeue; another one (scancel's SIGTERM) only stops.
             if stop.received and signal.Signals(stop.received).name == "SIG" + os.environ.get("MNIST_DDP_REQUEUE_SIGNAL", "USR1"):
                 with contextlib.suppress(OSError):  # (then the batch shell prints the continue line)
                     write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received).name}\n")
-                print(f"{os.environ['MNIST_DDP_REQUEUED_BY']} requeues the job when this step has ended; where it "
-                      "cannot, the line below continues the run", flush=True)
-            print(f"to continue: {self.continue_command()}", flush=True)
-        elif rt.is_main and (stop.received == signal.SIGINT or not requeue_slurm_job(self.launch)):
+                print(f"{batch_file} requeues the job when this step has ended; where it cannot, the line below "
+                      "continues the run", flush=True)
+        requeued = not batch_file and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)
+        if rt.is_main and not requeued:
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")
         return EXIT_STOPPED

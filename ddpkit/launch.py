@@ -46,7 +46,7 @@ class StopSignals:
     site's preemption signal, a closed terminal) and, once
     training runs, SIGINT (Ctrl-C, which torchrun passes on to its workers) only set a flag
     here; the training loop acts on it at the next step boundary, where every rank agrees,
-    rank 0 saves and (on USR1 or TERM) the job requeues itself. Saving inside a handler
+    rank 0 saves and (on USR1, TERM or HUP) the job is requeued. Saving inside a handler
     could interrupt a half-written file or a collective. A Ctrl-C pressed again while that
     save is a step away changes nothing (torchrun passes a second one on as SIGTERM, and
     kills workers still saving after 30 s). Before training starts there is nothing to
