@@ -42,8 +42,9 @@ default) continues from the newest valid one, so the same command with the same 
 or a requeued Slurm job, carries on where it stopped. --allow-changes lets it carry on with
 more --epochs or another --lr. SIGUSR1, SIGTERM or SIGHUP: save at the next step, requeue
 the Slurm job (run_training.sbatch: on its SIGNAL, USR1 by default), exit; Ctrl-C: save at
-the next step and exit. One run of a name runs at a
-time (a second one exits 2). A rank that dies or hangs makes the others exit with code 4
+the next step and exit. Under Slurm the same save, requeue and exit comes --stop-before
+minutes ahead of the job's time limit, with no signal; after its first epoch a run says
+whether it fits in the job's time. One run of a name runs at a time (a second one exits 2). A rank that dies or hangs makes the others exit with code 4
 within --dist-timeout; run_training.sbatch then restarts the job from the newest
 checkpoint.
 
@@ -56,7 +57,8 @@ Exit codes
    4  lost contact with another rank (it died, or hung past --dist-timeout); the line
       names the operation and the step. Nothing saved is lost: run it again, as
       run_training.sbatch does by itself (MAX_RESTARTS)
-  75  stopped by SIGUSR1/SIGTERM/SIGHUP/Ctrl-C after saving a checkpoint; the line says how to continue
+  75  stopped by SIGUSR1/SIGTERM/SIGHUP/Ctrl-C, or ahead of the time limit, after saving a
+      checkpoint; the line says how to continue
       (under Slurm with --requeue the job has requeued itself)
  130  Ctrl-C before training started: nothing to save
 """

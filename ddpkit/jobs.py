@@ -36,6 +36,7 @@ from ddpkit.distributed import (
     nondeterministic_operation,
     teardown_distributed,
 )
+from ddpkit.doctor import check_job
 from ddpkit.launch import (
     EXIT_BUG,
     EXIT_DIVERGED,
@@ -59,6 +60,7 @@ from ddpkit.options import RunOptions, changeable, flag, option_args, parse_opti
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
+from ddpkit.time_limit import TimeLimit, read_job_times
 from ddpkit.training_run import TrainingRun
 
 SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
@@ -232,9 +234,14 @@ class Job:
             if ckpt_path:
                 print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
                       f"requeued {launch.requeues}x)", flush=True)
+        time_limit = None
+        if rt.is_main:  # rank 0 alone watches the clock: the per-step agreement tells the others
+            time_limit = self.stop.time_limit = TimeLimit(read_job_times(os.environ, launch.job_id), options.stop_before)
+            if line := time_limit.start_line():
+                print(line, flush=True)
         self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, classes, progress, loss_sums, epochs,
                                max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger,
-                               self.startup if rt.is_main else None)
+                               self.startup if rt.is_main else None, time_limit)
         if save_here:
             self.run.checkpoint()
             if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
@@ -246,7 +253,8 @@ class Job:
         """A stop was agreed on and `path` saved: requeue the Slurm job, or say how to continue."""
         rt, stop = self.rt, self.stop
         if rt.is_main:
-            why = signal.Signals(stop.received).name if stop.received else "another rank's signal"
+            why = (signal.Signals(stop.received).name if stop.received else
+                   f"the time limit ({stop.time_limit.left():.0f} s left)" if stop.time_up else "another rank's signal")
             print(f"stopping on {why} at step {self.run.progress.step}: saved {path}", flush=True)
         barrier("the barrier before stopping")  # the checkpoint is complete before anyone can be killed
         # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
@@ -254,10 +262,12 @@ class Job:
         # job once the step has ended, on the host: in a container, scontrol may be missing.
         batch_file = os.environ.get("MNIST_DDP_REQUEUED_BY")
         if rt.is_main and batch_file:
-            # Its SIGNAL (USR1 by default) asks for a requeue; another one (scancel's SIGTERM) only stops.
-            if stop.received and signal.Signals(stop.received).name == "SIG" + os.environ.get("MNIST_DDP_REQUEUE_SIGNAL", "USR1"):
+            # Its SIGNAL (USR1 by default) and the time limit ask for a requeue; another
+            # signal (scancel's SIGTERM) only stops.
+            why = signal.Signals(stop.received).name if stop.received else "the time limit came near" if stop.time_up else ""
+            if why in ("SIG" + os.environ.get("MNIST_DDP_REQUEUE_SIGNAL", "USR1"), "the time limit came near"):
                 with contextlib.suppress(OSError):  # (then the batch shell prints the continue line)
-                    write_exit_file(self.launch, "requeue", f"{signal.Signals(stop.received).name}\n")
+                    write_exit_file(self.launch, "requeue", f"{why}\n")
                 print(f"{batch_file} requeues the job when this step has ended; where it cannot, the line below "
                       "continues the run", flush=True)
         requeued = not batch_file and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)
@@ -293,6 +303,9 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
         recipe, options = parse_options(recipe_class, argv, manual)
         if not options.download_only:
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
+        if options.check:
+            code = check_job(options, launch)
+            return code
         earlier, rank_file = unfixable_exit(launch)
         if earlier:
             print(f"{PROG}{who}: not training again: an earlier attempt ended with exit code {earlier} ({rank_file}), "

@@ -53,10 +53,12 @@ class StopSignals:
     save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a rendezvous or a
     download. A SIGINT or SIGHUP that the parent set to be ignored (nohup) stays ignored.
     Under run_training.sbatch only its SIGNAL (USR1 by default) requeues the job; the
-    others save and stop."""
+    others save and stop. On rank 0 the job's time limit asks for a stop and a requeue too,
+    when it comes near (time_limit.TimeLimit, set once the run starts)."""
 
     def __init__(self):
         self.received, self.training = 0, False
+        self.time_limit, self.time_up = None, False
         signals = [signal.SIGUSR1, signal.SIGTERM]
         # One the parent set to be ignored stays ignored: SIGHUP under nohup, SIGINT in a
         # shell's background job.
@@ -68,6 +70,12 @@ class StopSignals:
             raise KeyboardInterrupt
         # The first one says why: a Ctrl-C stays a Ctrl-C, which asks for no requeue.
         self.received = self.received or signum
+
+    def asked(self) -> bool:
+        """Whether this rank asks every rank to stop: a signal came, or the time limit is near."""
+        if not (self.received or self.time_up) and self.time_limit is not None:
+            self.time_up = self.time_limit.up()
+        return bool(self.received or self.time_up)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

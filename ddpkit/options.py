@@ -43,6 +43,10 @@ class RunOptions:
     device: str = option("auto", "auto: cuda when available", "distributed", choices=("auto", "cpu", "cuda"))
     dist_timeout: float = option(300.0, "seconds a collective may wait for a missing rank before the job fails",
                                  "distributed")
+    check: bool = option(False, "check the job instead of training, in about a minute: every rank joins (within "
+                         "--dist-timeout or 60 s, the shorter) and says its host, device, CPUs, GPUs, network interface "
+                         "and versions; an all-reduce with a known answer; a timed 64 MB all-reduce. Exit 0, or 4 naming "
+                         "the ranks and hosts that never joined", "distributed")
     # speed (for GPUs; they run on CPUs too, where they rarely help)
     amp: bool = option(False, "bfloat16 autocast for forward passes", "speed")
     channels_last: bool = option(False, "channels-last memory layout for convolutions", "speed")
@@ -69,6 +73,9 @@ class RunOptions:
                              "checkpoints and preemption")
     ckpt_minutes: float = option(10.0, "checkpoint as well when M minutes have passed since the last one, so a slow step "
                                  "cannot lose hours (0: never)", "checkpoints and preemption")
+    stop_before: str = option("auto", "under Slurm, save, stop and requeue the job M minutes before its time limit, "
+                              "whether or not a --signal comes (auto: one minute, plus twice the slowest checkpoint save "
+                              "and step; 0: never)", "checkpoints and preemption")
     keep_ckpts: int = option(3, "how many of the newest checkpoints to keep", "checkpoints and preemption")
     allow_changes: bool = option(False, "resume even though {changeable} differ from the checkpoint's (to train longer, "
                                  "or on with a lower --lr); the change is logged", "checkpoints and preemption")
@@ -106,6 +113,8 @@ def check_run_options(c: RunOptions) -> None:
     need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
     need(math.isfinite(c.ckpt_minutes) and c.ckpt_minutes >= 0,
          f"--ckpt-minutes must be 0 (never) or a number of minutes, got {c.ckpt_minutes}")
+    need(c.stop_before == "auto" or re.fullmatch(r"\d+(\.\d*)?|\.\d+", c.stop_before) is not None,
+         f"--stop-before must be auto or a number of minutes (0: never), got {c.stop_before!r}")
     need(c.keep_ckpts >= 1, f"--keep-ckpts must be at least 1, got {c.keep_ckpts}")
     need(c.resume in ("auto", "never") or os.path.isfile(c.resume),  # (False, not an error, for a name too long)
          f"--resume {c.resume}: no such checkpoint file; pass auto, never or an existing file")

@@ -76,7 +76,7 @@ def start_agreement(stop: StopSignals, loss: torch.Tensor, clock: CheckpointCloc
     once would make the host wait for the step to finish on a GPU (twice: the loss check
     and the result), so the next step's kernels could not be queued behind it."""
     buffers = buffers or AgreementBuffers(rt.device)
-    host = (float(stop.received > 0), float(clock.due()))
+    host = (float(stop.asked()), float(clock.due()))
     if any(host):  # rare: a new tensor then is no cost
         buffers.host_flags.copy_(torch.tensor(host))
         buffers.host_flags_set = True

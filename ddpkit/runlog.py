@@ -294,6 +294,12 @@ class RunLogger:
                                   dataformats="HWC")
         self.writer.flush()  # per epoch, not per step: cheap and TensorBoard stays current
 
+    def note(self, line: str, step: int) -> None:
+        """A line for stdout and the TEXT tab's log."""
+        print(line, flush=True)
+        self.writer.add_text("log", line, step)
+        self.writer.flush()
+
     def finish(self, final: dict, step: int) -> None:
         for name, value in final.items():
             self.writer.add_scalar(f"final/{name}", value, step)
@@ -311,5 +317,6 @@ class NullLogger:
 
     def step(self, *args) -> None: ...
     def epoch(self, record: dict, evaluation, pictures: bool) -> None: ...
+    def note(self, line: str, step: int) -> None: ...
     def finish(self, final: dict, step: int) -> None: ...
     def close(self) -> None: ...

@@ -1,8 +1,9 @@
 """The training run as the loop sees it: one call after each step (step_done), one at each
 epoch's end (epoch_done) and one at the end (finish). TrainingRun owns what happens around
 the steps: the run's Progress and loss sums, the one-step-late agreement between the ranks,
-checkpoints (every N steps, every M minutes, at epoch ends, on a stop), the stop itself,
-the testing aid --interrupt-at, the epoch's record and the run's log.
+checkpoints (every N steps, every M minutes, at epoch ends, on a stop), the stop itself (on
+a signal, or ahead of the job's time limit), the testing aid --interrupt-at, the epoch's
+record, the run's log, and after the first epoch whether the run fits in the job's time.
 
 jobs.Job.start_run makes one; a stop ends it with launch.Stopped, a loss or weights that
 are not finite with launch.Diverged, both raised from these calls."""
@@ -21,6 +22,7 @@ from ddpkit.launch import Diverged, StartupClock, Stopped, StopSignals
 from ddpkit.options import RunOptions
 from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.runlog import gpu_figures, peak_rss_mb
+from ddpkit.time_limit import TimeLimit
 
 
 class EpochLoss:
@@ -55,7 +57,7 @@ class TrainingRun:
     def __init__(self, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path, state: Mapping[str, object],
                  saved_options: dict, classes: tuple[str, ...], progress: Progress, loss_sums: torch.Tensor, epochs: int,
                  max_steps: int, steps_per_epoch: int, schedule_offset: int, total_steps: int, logger,
-                 startup: StartupClock | None = None):
+                 startup: StartupClock | None = None, time_limit: TimeLimit | None = None):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
         self.classes = classes
         self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
@@ -69,6 +71,8 @@ class TrainingRun:
         self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
         self.epoch_started, self.trained = time.perf_counter(), 0
         self.startup = startup  # printed as `ready in ...` when the first step is about to run
+        self.estimate_due = time_limit  # rank 0's watch on the job's end, until it said whether the run fits
+        self.epoch_first_step = progress.step
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -86,7 +90,7 @@ class TrainingRun:
         if self.startup:
             print(self.startup.ready_line(), flush=True)
             self.startup = None
-        self.epoch_started, self.trained = time.perf_counter(), 0
+        self.epoch_started, self.trained, self.epoch_first_step = time.perf_counter(), 0, self.progress.step
         if self.rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.rt.device)
         set_background("the gradient all-reduce of a training step")
@@ -129,6 +133,11 @@ class TrainingRun:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self.loss.reset()
         path = self.checkpoint()
+        if self.estimate_due and progress.step > self.epoch_first_step and not self.done():  # this process's first epoch
+            seconds_per_step = (time.perf_counter() - self.epoch_started) / (progress.step - self.epoch_first_step)
+            self.logger.note(self.estimate_due.fit_line(seconds_per_step, self.total_steps - self.schedule_step),
+                             progress.step)
+            self.estimate_due = None
         # A stop asked for during the evaluation; after the last one, finishing is quicker.
         now = read_agreement(start_agreement(self.stop, torch.zeros(()), self.clock, self.rt, self.agreement))
         if now.stopping and not self.done():
@@ -165,8 +174,11 @@ class TrainingRun:
     def checkpoint(self) -> Path:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
+        started = time.perf_counter()
         path = save_checkpoint(self.run_dir, self.saved_options, self.classes, self.state, self.rt, self.progress,
                                self.loss.saved(), self.options.keep_ckpts)
+        if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
+            self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()
         return path
 

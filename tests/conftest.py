@@ -176,13 +176,15 @@ class Cluster:
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"cannot start a local Slurm cluster:\n{result.stdout}{result.stderr}"
 
-    def sbatch(self, submit_dir: Path, options: list[str], args: list[str], **env: str) -> subprocess.Popen:
-        """Start `sbatch --wait` of the real batch file from submit_dir; returns the running client.
-        The job runs the tests' interpreter unless env names another environment."""
+    def sbatch(self, submit_dir: Path, options: list[str], args: list[str], batch_file: Path = SBATCH_FILE,
+               **env: str) -> subprocess.Popen:
+        """Start `sbatch --wait` of the real batch file (or a user's copy of it) from submit_dir;
+        returns the running client. The job runs the tests' interpreter unless env names
+        another environment."""
         submit_dir.mkdir(parents=True, exist_ok=True)
         job_env = {**self.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable, **env}
         job_env = {k: v for k, v in job_env.items() if v is not None}
-        cmd = [str(LOCAL_SLURM), "exec", str(self.dir), "sbatch", "--wait", "--parsable", *options, str(SBATCH_FILE), *args]
+        cmd = [str(LOCAL_SLURM), "exec", str(self.dir), "sbatch", "--wait", "--parsable", *options, str(batch_file), *args]
         return subprocess.Popen(cmd, cwd=submit_dir, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def stop(self):

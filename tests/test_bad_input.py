@@ -48,7 +48,9 @@ def no_launcher(monkeypatch):
     (["--data-mirror", "ftp://example.org/"], "--data-mirror must be an http://"),
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs --device cuda"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--resume", "x" * 5000], "no such checkpoint file"),  # a name too long for the file system
+    (["--resume", "x" * 5000], "no such checkpoint file"),
+    (["--stop-before", "-1"], "--stop-before must be auto or a number of minutes"),
+    (["--stop-before", "nan"], "--stop-before must be auto or a number of minutes"),  # a name too long for the file system
 ])
 def test_bad_option(argv, words, capsys):
     assert mnist_ddp.main(argv) == 2

@@ -21,9 +21,22 @@ import sys
 import time
 from pathlib import Path
 
+import preloaded
 import pytest
+import torch
 
-from conftest import LOCAL_SLURM, ROOT, SAMPLE, SBATCH_FILE, Cluster, clean_env, finish, read_metrics, wait_for_epoch_1
+from conftest import (
+    LOCAL_SLURM,
+    ROOT,
+    SAMPLE,
+    SBATCH_FILE,
+    Cluster,
+    clean_env,
+    finish,
+    load_params,
+    read_metrics,
+    wait_for_epoch_1,
+)
 
 SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT / "tensorboard.sh", ROOT / ".ci" / "run"]
 
@@ -431,6 +444,40 @@ def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(one_nod
     else:
         assert f"job={job_id} exit=75" in out and re.search(r"^to continue from the newest checkpoint, from ", out, re.M)
         assert epochs[-1] < 3
+
+
+def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tmp_path):
+    """A site's copy of the batch file without the --signal line, --time=2 (minutes) and about
+    3 minutes of training on one rank: rank 0 says after its first epoch that the run does
+    not fit, saves and stops about a minute before the limit (--stop-before auto) with no
+    signal from Slurm, and the batch shell requeues the job, again and again until it ends
+    with exit 0; its weights are those of the same run uninterrupted, trained beside it."""
+    batch_file = tmp_path / "site.sbatch"
+    batch_file.write_text("".join(line for line in SBATCH_FILE.read_text().splitlines(keepends=True)
+                                  if not line.startswith("#SBATCH --signal")))
+    args = ["--epochs", "280", "--image-every", "0"]
+    (tmp_path / "alone").mkdir()
+    uninterrupted = preloaded.Run([*args, "--log-dir", "runs", "--run-name", "alone"], tmp_path / "alone",
+                                  clean_env(OMP_NUM_THREADS="1"))
+    client = one_node.sbatch(tmp_path, ["--time=2", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                             args, batch_file=batch_file, PROJECT_DIR=str(ROOT))
+    job_id, out = finish(client, tmp_path, timeout=900)
+    assert uninterrupted.wait(600).returncode == 0
+    assert re.search(r"^0: Slurm ends this job in 2 min: it saves and stops 60 s before that \(--stop-before auto\)",
+                     out, re.M), out[:3000]
+    assert re.search(r"^0: needs about \d+ \w+ at this speed, the job ends in \d+ \w+: it will be requeued about ", out, re.M)
+    stops = re.findall(r"^0: stopping on the time limit \((\d+) s left\) at step \d+: saved ", out, re.M)
+    before = re.findall(rf"^requeueing Slurm job {job_id} after the time limit came near; it resumes from its last "
+                        r"checkpoint \((-?\d+) s before the job's time limit\)$", out, re.M)
+    assert len(before) == len(stops) >= 2, out[-4000:]
+    assert all(int(seconds) > 0 for seconds in before), before  # always requeued before Slurm's limit
+    assert "DUE TO TIME LIMIT" not in out and f"job={job_id} exit=0" in out
+    assert re.findall(r"^START .* restart=(\d+) ", out, re.M) == [str(n) for n in range(len(stops) + 1)]
+    run_dir = tmp_path / "runs" / f"job-{job_id}"
+    assert [m["epoch"] for m in read_metrics(run_dir)] == list(range(1, 281))
+    params, alone = load_params(run_dir), load_params(tmp_path / "alone" / "runs" / "alone")
+    for name in alone:
+        torch.testing.assert_close(params[name], alone[name], rtol=0, atol=0, msg=name)
 
 
 def test_inside_salloc_srun_and_the_batch_file_train_and_resume_and_bare_python_is_refused(one_node, tmp_path):

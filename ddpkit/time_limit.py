@@ -1,0 +1,163 @@
+"""The job's time limit: when Slurm ends this job, the stop --stop-before minutes ahead of it
+(a checkpoint, then a requeue, with or without a --signal from Slurm), and whether the run
+fits in the time that is left.
+
+The end time comes from SLURM_JOB_END_TIME where Slurm sets it (23.02 and later); else
+from `scontrol show job`, which run_training.sbatch runs once on the host (a container may
+have no scontrol) and passes on as MNIST_DDP_JOB_INFO; else rank 0 runs it once itself.
+Only rank 0 watches the clock: the ranks' per-step agreement carries its stop to the rest.
+
+Standard library only, like launch.py."""
+
+import datetime
+import math
+import re
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+# Seconds left for what follows the stop when nothing slower was measured: the step in
+# flight, the save, the ranks' exit and the requeue, with room for a busy file system.
+BASE_MARGIN = 60.0
+SCONTROL_TIMEOUT = 10.0  # seconds; a slow controller costs a start-up no more than this
+
+
+@dataclass(frozen=True)
+class JobTimes:
+    """When this run of the Slurm job started and when Slurm ends it (Unix seconds)."""
+    start: float
+    end: float
+    requeue: bool | None = None  # whether Slurm may requeue it (--requeue); None: not known
+
+    @property
+    def limit(self) -> float:
+        return self.end - self.start
+
+
+def slurm_time(text: str) -> float | None:
+    """Unix seconds of a time as scontrol prints it (2026-11-24T10:00:00, local time); None
+    for Unknown, None or N/A."""
+    try:
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def times_from_job_info(info: str) -> JobTimes | None:
+    """The times in one `scontrol show job -o` line; None for a job without a time limit."""
+    fields = dict(re.findall(r"(\w+)=(\S*)", info))
+    start, end = slurm_time(fields.get("StartTime", "")), slurm_time(fields.get("EndTime", ""))
+    if start is None or end is None or fields.get("TimeLimit") in ("UNLIMITED", "Partition_Limit") or end <= start:
+        return None
+    requeue = {"1": True, "0": False}.get(fields.get("Requeue", ""))
+    if fields.get("BatchFlag") == "0":  # an interactive allocation (salloc) is never requeued
+        requeue = False
+    return JobTimes(start, end, requeue)
+
+
+def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subprocess.run) -> JobTimes | None:
+    """This job's times, or None outside Slurm, for a job without a time limit, or when
+    scontrol cannot say (it is asked once, with a short timeout)."""
+    if not job_id:
+        return None
+    if env.get("SLURM_JOB_END_TIME", "").isdigit() and env.get("SLURM_JOB_START_TIME", "").isdigit():
+        start, end = float(env["SLURM_JOB_START_TIME"]), float(env["SLURM_JOB_END_TIME"])
+        return JobTimes(start, end) if end > start else None
+    info = env.get("MNIST_DDP_JOB_INFO", "")
+    if not info:
+        try:
+            result = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         timeout=SCONTROL_TIMEOUT)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        info = result.stdout if result.returncode == 0 else ""
+    return times_from_job_info(info.splitlines()[0] if info.strip() else "")
+
+
+def duration(seconds: float) -> str:
+    """2 h, 1 h 05 min, 12 min, 40 s: as a person says it, to the minute above 90 s."""
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes % 60 else f"{minutes // 60} h"
+
+
+def slurm_duration(seconds: float) -> str:
+    """A --time value that is at least `seconds`, rounded up to a whole minute below an hour,
+    to 10 minutes below 10 hours, else to 30 minutes: 0:06:00, 2:30:00, 1-04:00:00."""
+    unit = 60 if seconds < 3600 else 600 if seconds < 36000 else 1800
+    minutes = math.ceil(seconds / unit) * unit // 60
+    days, hours, minutes = minutes // 1440, minutes % 1440 // 60, minutes % 60
+    return f"{days}-{hours:02d}:{minutes:02d}:00" if days else f"{hours}:{minutes:02d}:00"
+
+
+class TimeLimit:
+    """Rank 0's watch on the job's end. `up()` says when to stop: --stop-before minutes ahead
+    of it, or with --stop-before auto, one minute plus twice the slowest checkpoint save and
+    twice the time of a step (the stop lands one step after it is asked for), as measured
+    so far. The clock is a parameter so that tests can move time."""
+
+    def __init__(self, times: JobTimes | None, stop_before: str, clock: Callable[[], float] = time.time):
+        self.times, self.clock = times, clock
+        self.fixed = None if stop_before == "auto" else float(stop_before) * 60
+        self.slowest_save = self.step_seconds = 0.0
+        self.started = clock()  # when this process began training (its start-up is behind it)
+        self.watching = times is not None and self.fixed != 0
+
+    def margin(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        return BASE_MARGIN + 2 * self.slowest_save + 2 * self.step_seconds
+
+    def left(self) -> float:
+        """Seconds until Slurm ends the job."""
+        return self.times.end - self.clock() if self.times else math.inf
+
+    def up(self) -> bool:
+        return self.watching and self.left() <= self.margin()
+
+    def saved(self, seconds: float) -> None:
+        self.slowest_save = max(self.slowest_save, seconds)
+
+    def start_line(self) -> str:
+        """What the run does about the time limit, said once as training starts ("" without one).
+        A job that starts with less than the margin left does not stop for it at all: it would
+        save and requeue at its first step, again and again."""
+        if self.times is None:
+            return ""
+        left, margin = self.left(), self.margin()
+        if self.fixed == 0:
+            return f"Slurm ends this job in {duration(left)}; --stop-before 0: it does not stop for that by itself"
+        if left <= margin:
+            self.watching = False
+            return (f"warning: Slurm ends this job in {duration(left)}, less than the {duration(margin)} it stops before "
+                    "the end (--stop-before): it does not stop for the time limit; ask for a longer --time")
+        return (f"Slurm ends this job in {duration(left)}: it saves and stops {duration(margin)} before that "
+                f"(--stop-before {'auto' if self.fixed is None else f'{self.fixed / 60:g}'}), if no signal comes first")
+
+    def fit_line(self, seconds_per_step: float, steps_left: int) -> str:
+        """After the first epoch: the time the rest of the run needs at this speed (evaluations
+        and checkpoints included), and whether it fits in what is left of the job."""
+        self.step_seconds = seconds_per_step
+        needed = seconds_per_step * steps_left
+        if self.times is None:
+            return f"about {duration(needed)} to finish at this speed"
+        left, margin = self.left(), self.margin()
+        if needed <= left - margin:
+            return f"about {duration(needed)} to finish at this speed; the job ends in {duration(left)}: it fits"
+        in_one = slurm_duration(1.1 * (self.clock() - self.times.start + needed + margin))
+        start_up = max(0.0, self.started - self.times.start)
+        per_job = self.times.limit - start_up - margin  # the training time of each run of the job
+        head = f"needs about {duration(needed)} at this speed, the job ends in {duration(left)}"
+        if per_job <= 0:
+            return f"{head}: its time limit leaves no time to train after start-up; --time={in_one} would do it in one"
+        if self.times.requeue is False:
+            return (f"{head}: it saves and stops {duration(margin)} before the end, and is not requeued (the line it "
+                    f"prints continues it); --time={in_one} would do it in one")
+        requeues = math.ceil((needed - max(0.0, left - margin)) / per_job)
+        return (f"{head}: it will be requeued about {'once' if requeues == 1 else f'{requeues} times'}; "
+                f"--time={in_one} would do it in one")

@@ -1,0 +1,119 @@
+"""ddpkit/time_limit.py: the job's times read from Slurm's variables, from the line that
+run_training.sbatch passes on or from scontrol itself; the stop --stop-before minutes
+ahead of the end (auto: a minute plus twice the slowest save and step); the start line and
+the estimate after the first epoch, on a clock the test moves. The real thing, a job that
+saves and requeues itself before its time limit, is tests/test_slurm.py's
+test_a_job_without_signal_requeues_itself_before_its_time_limit.
+
+    python -m pytest tests/test_time_limit.py
+"""
+
+import datetime
+
+from ddpkit.time_limit import JobTimes, TimeLimit, duration, read_job_times, slurm_duration, times_from_job_info
+
+# One line of `scontrol show job -o` as Slurm 22.05 prints it for `sbatch --time=2` (shortened).
+INFO = ("JobId=7 JobName=mnist-ddp UserId=root(0) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 "
+        "BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=00:02:00 TimeMin=N/A "
+        "SubmitTime=2026-11-24T13:15:52 EligibleTime=2026-11-24T13:15:52 AccrueTime=2026-11-24T13:15:52 "
+        "StartTime=2026-11-24T13:15:52 EndTime=2026-11-24T13:17:52 Deadline=N/A SuspendTime=None "
+        "Partition=local NodeList=vm Command=/home/u/run_training.sbatch WorkDir=/home/u")
+START = datetime.datetime(2026, 11, 24, 13, 15, 52).timestamp()
+
+
+def test_the_times_of_a_scontrol_line():
+    assert times_from_job_info(INFO) == JobTimes(START, START + 120, requeue=True)
+    assert times_from_job_info(INFO.replace("Requeue=1", "Requeue=0")).requeue is False
+    # salloc: an interactive allocation, which Slurm never requeues
+    assert times_from_job_info(INFO.replace("BatchFlag=1", "BatchFlag=0")).requeue is False
+    unlimited = INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED").replace("EndTime=2026-11-24T13:17:52", "EndTime=Unknown")
+    assert times_from_job_info(unlimited) is None
+    assert times_from_job_info("") is None
+
+
+def test_where_the_times_come_from(monkeypatch):
+    # Slurm's own variables first (23.02 and later), then the batch file's line; none outside a job.
+    env = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600", "MNIST_DDP_JOB_INFO": INFO}
+    assert read_job_times(env, "7") == JobTimes(1000.0, 4600.0)
+    assert read_job_times({"MNIST_DDP_JOB_INFO": INFO}, "7") == JobTimes(START, START + 120, requeue=True)
+    assert read_job_times(env, "") is None
+    # No scontrol on the PATH (a container): no time limit known, no crash.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert read_job_times({}, "7") is None
+
+
+def test_durations_as_people_say_them_and_as_slurm_reads_them():
+    assert [duration(s) for s in (40, 89, 90, 720, 3600, 3900, 7800)] == [
+        "40 s", "89 s", "2 min", "12 min", "1 h", "1 h 05 min", "2 h 10 min"]
+    assert [slurm_duration(s) for s in (61, 3000, 8580, 36001, 86400 * 1.5)] == [
+        "0:02:00", "0:50:00", "2:30:00", "10:30:00", "1-12:00:00"]
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_stop_comes_a_minute_and_twice_the_slowest_save_and_step_before_the_end():
+    clock = Clock(0.0)
+    limit = TimeLimit(JobTimes(0.0, 3600.0), "auto", clock)
+    assert "it saves and stops 60 s before that (--stop-before auto)" in limit.start_line()
+    clock.now = 3539.0
+    assert not limit.up()
+    clock.now = 3540.0
+    assert limit.up()
+    limit.saved(10.0)  # a slow file system: the stop comes sooner
+    limit.saved(2.0)
+    clock.now = 3519.0
+    assert not limit.up() and limit.margin() == 80.0
+    clock.now = 3520.0
+    assert limit.up()
+
+
+def test_stop_before_in_minutes_and_0_for_never():
+    clock = Clock(0.0)
+    limit = TimeLimit(JobTimes(0.0, 3600.0), "1.5", clock)
+    limit.saved(100.0)  # (a fixed --stop-before does not grow)
+    clock.now = 3509.0
+    assert not limit.up()
+    clock.now = 3510.0
+    assert limit.up()
+    never = TimeLimit(JobTimes(0.0, 3600.0), "0", clock)
+    assert "--stop-before 0: it does not stop for that by itself" in never.start_line()
+    clock.now = 3599.0
+    assert not never.up()
+    assert not TimeLimit(None, "auto", clock).up() and TimeLimit(None, "auto", clock).start_line() == ""
+
+
+def test_a_job_that_starts_with_less_time_than_the_margin_does_not_stop_at_its_first_step():
+    clock = Clock(3570.0)  # e.g. requeued onto a shorter limit: it would save and requeue over and over
+    limit = TimeLimit(JobTimes(0.0, 3600.0), "auto", clock)
+    line = limit.start_line()
+    assert line.startswith("warning: Slurm ends this job in 30 s, less than the 60 s it stops before the end")
+    assert not limit.up()
+
+
+def test_after_the_first_epoch_it_says_whether_the_run_fits():
+    clock = Clock(300.0)
+    assert TimeLimit(None, "auto", clock).fit_line(0.5, 240) == "about 2 min to finish at this speed"
+    job = JobTimes(0.0, 3600.0, requeue=True)
+    fits = TimeLimit(job, "auto", clock)
+    assert fits.fit_line(1.0, 1800) == "about 30 min to finish at this speed; the job ends in 55 min: it fits"
+    # 2 h 10 min of training, 55 min left: about 54 min of it here, then 58 min in each run
+    # of the job after its start-up (300 s here) and the margin (60 s + 2 steps).
+    clock.now = 900.0
+    long = TimeLimit(job, "auto", Clock(300.0))
+    long.clock = clock
+    assert long.fit_line(1.0, 7800) == ("needs about 2 h 10 min at this speed, the job ends in 45 min: it will be "
+                                        "requeued about 2 times; --time=2:50:00 would do it in one")
+    once = TimeLimit(job, "auto", Clock(300.0))
+    once.clock = clock
+    assert "it will be requeued about once;" in once.fit_line(1.0, 4000)
+    stays = TimeLimit(JobTimes(0.0, 3600.0, requeue=False), "auto", clock)
+    assert "it saves and stops 62 s before the end, and is not requeued (the line it prints continues it)" in (
+        stays.fit_line(1.0, 7800))
+    short = TimeLimit(JobTimes(0.0, 400.0), "auto", Clock(350.0))
+    assert "its time limit leaves no time to train after start-up" in short.fit_line(1.0, 7800)
