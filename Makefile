@@ -1,6 +1,6 @@
 # make run   - create .venv if missing, then train one process on the bundled MNIST sample
 # make test  - create .venv if missing, install what the tests need (Python packages; as
-#              root, Debian's Slurm, munge, shellcheck, openssh-server, bubblewrap and Fashion-MNIST), lint with
+#              root, Debian's Slurm, munge, shellcheck, openssh-server, bubblewrap, iptables and Fashion-MNIST), lint with
 #              ruff, run the whole suite
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 #            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2").

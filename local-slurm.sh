@@ -5,7 +5,7 @@
 # Usage:
 #   local-slurm.sh install              install Debian's slurmctld slurmd slurm-client munge
 #                                       (and, for the tests, shellcheck, openssh-server,
-#                                       bubblewrap and dataset-fashion-mnist) where missing
+#                                       bubblewrap, iptables and dataset-fashion-mnist) where missing
 #   local-slurm.sh start DIR [NODES]    start a cluster whose files all live under DIR:
 #                                       NODES=1 (default): one node on the host's network;
 #                                       NODES>1: NODES nodes, each slurmd in a network namespace
@@ -44,6 +44,7 @@ install_packages() {
     command -v munged >/dev/null || missing+=(munge)
     command -v shellcheck >/dev/null || missing+=(shellcheck)
     command -v bwrap >/dev/null || missing+=(bubblewrap)  # the tests' container runtime (CONTAINER_CMD)
+    command -v iptables >/dev/null || missing+=(iptables)  # the tests' firewall between two nodes (--check)
     [[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)  # the tests' SSH tunnel to a compute node
     [[ -d /usr/share/datasets/fashion-mnist ]] || missing+=(dataset-fashion-mnist)
     (( ${#missing[@]} )) || return 0

@@ -25,6 +25,7 @@ from ddpkit.launch import EXIT_BUG, EXIT_LOST_PEER, Launch, expand_hostlist, pro
 from ddpkit.options import RunOptions
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
+LATER = 20.0  # seconds more that the other ranks wait than rank 0
 TIMED_BYTES = 64 * 2**20  # the timed all-reduce: large enough that the network, not latency, sets its time
 TIMED_REPEATS = 3
 PREFIX = "mnist-ddp-check"  # its keys, apart from any others in torchrun's store
@@ -133,14 +134,16 @@ def check_job(options: RunOptions, launch: Launch) -> int:
         return 0
     # 1. The rendezvous: every rank leaves its description in the store that rank 0 holds
     # (torchrun's agent holds it when it shares its own).
+    # The other ranks wait longer than rank 0, so that rank 0's verdict, which names every
+    # rank missing, comes first (srun and torchrun then end the rest).
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
         store = dist.TCPStore(launch.master_addr, launch.master_port, n, is_master=main and not agent_store,
-                              timeout=timedelta(seconds=timeout), wait_for_workers=False)
+                              timeout=timedelta(seconds=timeout + (0 if main else LATER)), wait_for_workers=False)
     except Exception as err:  # (DistNetworkError, a RuntimeError: cannot connect, or the port is taken)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         say(f"check failed: rank {rank} on {me['host']} cannot reach the rendezvous at {launch.master_addr}:"
-            f"{launch.master_port} within {timeout:g} s ({first[:200]}); {network_hints(launch, backend, me['host'])}")
+            f"{launch.master_port} within {timeout + (0 if main else LATER):g} s ({first[:200]}); {network_hints(launch, backend, me['host'])}")
         return EXIT_LOST_PEER
     store = dist.PrefixStore(f"{PREFIX}/{launch.attempt}", store)
     store.set(f"joined/{rank}", json.dumps(me))
@@ -151,9 +154,9 @@ def check_job(options: RunOptions, launch: Launch) -> int:
             return code
     else:
         try:
-            store.wait(["verdict"], timedelta(seconds=timeout + 30))
+            store.wait(["verdict"], timedelta(seconds=timeout + LATER))
         except Exception:
-            say(f"check failed: rank {rank} on {me['host']} heard nothing from rank 0 within {timeout + 30:g} s")
+            say(f"check failed: rank {rank} on {me['host']} heard nothing from rank 0 within {timeout + LATER:g} s")
             return EXIT_LOST_PEER
         if int(store.get("verdict")):
             return int(store.get("verdict"))  # (rank 0 says why)

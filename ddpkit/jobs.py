@@ -304,6 +304,7 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
         if not options.download_only:
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         if options.check:
+            stop.restore()  # nothing to save: a signal ends the check at once
             code = check_job(options, launch)
             return code
         earlier, rank_file = unfixable_exit(launch)

@@ -480,6 +480,38 @@ def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tm
         torch.testing.assert_close(params[name], alone[name], rtol=0, atol=0, msg=name)
 
 
+def test_check_reports_every_rank_of_two_nodes_and_names_the_node_a_firewall_cuts_off(two_nodes, tmp_path):
+    """CHECK=1 on two nodes: every rank's host, device, CPUs and interface, the known-answer
+    and the timed all-reduce, exit 0. Then the second node's traffic to the rendezvous port
+    is dropped (iptables in its network namespace): the check exits 4 within its 60 s, well
+    under --dist-timeout (300 s), and names the rank and the node that never joined."""
+    options = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"]
+    job_id, out = finish(two_nodes.sbatch(tmp_path / "healthy", options, [], CHECK="1"), tmp_path / "healthy")
+    for rank, node in enumerate(("mtn1", "mtn2")):
+        assert re.search(rf"^0: check: rank {rank}  {node}  cpu  \d+ CPUs? \([\d,-]+\)  0 GPUs  gloo via eth0 10\.231\.9\.1{rank + 1}  "
+                         r"torch \S+, CUDA build \S+, python 3", out, re.M), out[-3000:]
+    assert re.search(r"^0: check: the all-reduce with a known answer is right; a 64 MB all-reduce takes [\d.]+ s \(", out, re.M)
+    assert re.search(r"^0: check passed in [\d.]+ s: every rank joined", out, re.M)
+    assert re.search(rf"^END .* job={job_id} exit=0 \(CHECK=1: nothing was trained\)$", out, re.M)
+    assert not (tmp_path / "healthy" / "runs").exists()  # nothing trained, nothing written
+
+    node2 = (two_nodes.dir / "netns-nodes").read_text().split()[1]
+    rule = ["OUTPUT", "-p", "tcp", "--dport", "23456", "-j", "DROP"]
+    firewall = ["nsenter", f"--net=/run/netns/{node2}", "iptables"]
+    subprocess.run([*firewall, "-A", *rule], check=True, timeout=60)
+    try:
+        client = two_nodes.sbatch(tmp_path / "cut", options, [], CHECK="1", MASTER_PORT="23456")
+        job_id, out = finish(client, tmp_path / "cut", code=4)
+    finally:
+        subprocess.run([*firewall, "-D", *rule], check=True, timeout=60)
+    failed = re.search(r"^0: check failed after (\d+) s: rank 1 \(on mtn2\) never joined the rendezvous at "
+                       r"10\.231\.9\.11:23456 within 60 s; check that mtn2 reaches 10\.231\.9\.11:23456 over TCP "
+                       r"\(a firewall between the nodes\?\), .* set GLOO_SOCKET_IFNAME to the interface", out, re.M)
+    assert failed, out[-3000:]
+    assert int(failed.group(1)) < 300  # the verdict comes well within --dist-timeout
+    assert re.search(rf"^END .* job={job_id} exit=4 \(CHECK=1: nothing was trained\)$", out, re.M)
+
+
 def test_inside_salloc_srun_and_the_batch_file_train_and_resume_and_bare_python_is_refused(one_node, tmp_path):
     """In an interactive allocation (salloc -N1 -n2): a bare `python mnist_ddp.py` stops with
     the srun hint (it would train alone), but may stage the data; `srun python mnist_ddp.py` and `bash
