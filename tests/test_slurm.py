@@ -413,10 +413,15 @@ def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_n
 
 
 @pytest.mark.parametrize("launcher, sent, chosen, to_batch", [
+    # (USR1 to the ranks, both launchers: test_usr1_saves_requeues_and_resumes)
     ("srun", "HUP", "HUP", False),
+    ("torchrun", "HUP", "HUP", False),
     ("srun", "TERM", "TERM", False),
+    ("torchrun", "TERM", "TERM", False),
+    ("srun", "INT", "INT", False),
     ("torchrun", "INT", "INT", False),
-    ("torchrun", "USR1", "USR1", True),   # #SBATCH --signal=B:USR1: only the batch shell gets it
+    ("srun", "USR1", "USR1", True),       # #SBATCH --signal=B:USR1: only the batch shell gets it
+    ("torchrun", "USR1", "USR1", True),
     ("srun", "TERM", "USR1", False),      # scancel's SIGTERM when SIGNAL is USR1: save and stop
 ])
 def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(one_node, tmp_path, launcher, sent, chosen,
