@@ -290,8 +290,20 @@ def task(sweep_file: Path, index: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- summary
 
-STATES = {0: "done", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)", 4: "failed (exit 4: lost a peer)",
-          75: "stopped (exit 75)"}
+STATES = {0: "done", 1: "failed (exit 1: a bug)", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)",
+          4: "failed (exit 4: lost a peer)", 75: "stopped (exit 75)"}
+
+
+def exit_state(code: int) -> str:
+    """The state of a run that ended with `code`, as docs/sweeps.md lists them."""
+    if code in STATES:
+        return STATES[code]
+    if 128 < code < 128 + signal.NSIG:
+        try:
+            return f"failed (exit {code}: killed by {signal.Signals(code - 128).name})"
+        except ValueError:  # (a number no signal has)
+            pass
+    return f"failed (exit {code})"
 
 
 def run_state(run_dir: Path) -> str:
@@ -300,7 +312,7 @@ def run_state(run_dir: Path) -> str:
     code_file = run_dir / "exit-code"
     if code_file.exists():
         code = int(code_file.read_text().strip() or 1)
-        return STATES.get(code, f"failed (exit {code})")
+        return exit_state(code)
     started = run_dir / "run.json"  # mnist_ddp.py writes it as each attempt starts
     requeues = json.loads(started.read_text())["environment"].get("slurm_requeues", 0) if started.exists() else 0
     return f"requeued ({requeues}x), running" if requeues else "running"

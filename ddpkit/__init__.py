@@ -11,6 +11,7 @@ data, the model or the training step; mnist_ddp.py holds those.
   checkpoints.py   atomic saves, Progress, rotation, choosing and loading the checkpoint to resume
   recovery.py      the ranks' per-step agreement; lost peers and storage problems told apart
   time_limit.py    the job's end: the stop --stop-before it, whether the run fits (standard library only)
+  doctor.py        --check: every rank joins and is described, a known-answer and a timed all-reduce
   rundir.py        the run's directory, held for as long as the run lives
   runlog.py        stdout, metrics.jsonl, TensorBoard (scalars, pictures, HParams)
   training_run.py  TrainingRun: what happens around each step and epoch (checkpoints, stops, logs)

@@ -19,10 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import SAMPLE, SCRIPT, assert_ok, clean_env, read_metrics, run_python, run_single, run_torchrun
-from ddpkit.launch import EXIT_STOPPED
+from ddpkit.checkpoints import read_checkpoint
+from ddpkit.launch import EXIT_DIVERGED, EXIT_STOPPED
 
 BATCH = 256
 ONE_EPOCH = ["--epochs", "1", "--batch-size", str(BATCH)]
@@ -39,6 +42,97 @@ def run_driver(code: str, args: list[str], cwd: Path) -> subprocess.CompletedPro
     """mnist_ddp.main(args) in a process of its own, after `code` changed something in it."""
     driver = f"import os, signal, sys, mnist_ddp\n{code}\nsys.exit(mnist_ddp.main(sys.argv[1:]))"
     return run_python(args, cwd, code=driver)
+
+
+# The process dies half way through writing the first file whose name holds TARGET: the real
+# torch.save writes half of its bytes, then a real SIGKILL.
+DIE_HALF_WAY = """
+import io, torch
+real_save = torch.save
+def save_half_then_die(obj, target, *args, **kwargs):
+    if TARGET in getattr(target, "name", ""):
+        whole = io.BytesIO()
+        real_save(obj, whole, *args, **kwargs)
+        target.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+        target.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, target, *args, **kwargs)
+torch.save = save_half_then_die
+"""
+
+
+def test_keep_ckpts_keeps_exactly_that_many(workdir):
+    """--keep-ckpts N through the command line: checkpoints every 5 steps and at the epoch's
+    end, and only the newest N of them stay."""
+    last = steps_per_epoch()
+    for keep in (1, 2):
+        assert_ok(run_single([*ONE_EPOCH, "--run-name", f"keep{keep}", "--ckpt-every", "5", "--keep-ckpts", str(keep)],
+                             cwd=workdir))
+        kept = sorted(p.name for p in (workdir / "runs" / f"keep{keep}" / "checkpoints").iterdir())
+        newest = [f"ckpt-{step:08d}.pt" for step in sorted({*range(5, last + 1, 5), last})[-keep:]]
+        assert kept == newest
+
+
+@pytest.mark.parametrize("dies_in", ["ckpt-", "model.pt"])
+def test_a_save_killed_half_way_leaves_the_checkpoints_and_model_before_it_whole(workdir, dies_in):
+    """A finished run is trained one epoch longer, and the process is SIGKILLed half way
+    through writing its next checkpoint, or its new model.pt: every file of the first run is
+    byte for byte what it was and loads, and the same command then finishes the run."""
+    run_dir = workdir / "runs" / "a"
+    assert_ok(run_single([*ONE_EPOCH, "--run-name", "a"], cwd=workdir))
+    before = {path: path.read_bytes() for path in [*run_dir.glob("checkpoints/*.pt"), run_dir / "model.pt"]}
+    longer = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "a", "--allow-changes"]
+    killed = run_driver(f"TARGET = {dies_in!r}\n{DIE_HALF_WAY}", longer, workdir)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert list(run_dir.glob(f"**/.{dies_in}*.tmp*")) or list(run_dir.glob("**/.*tmp*"))  # it did die mid-write
+    for path, data in before.items():
+        assert path.read_bytes() == data, f"{path} changed"
+        torch.load(path, weights_only=True)
+    finished = run_single(longer, cwd=workdir)
+    assert_ok(finished)
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
+    assert (run_dir / "model.pt").read_bytes() != before[run_dir / "model.pt"]  # trained longer
+    assert list(run_dir.glob("**/.*tmp*")) == []  # the dead save's temporary file was removed
+
+
+def test_tensorboard_has_no_doubled_steps_after_a_crash_past_the_last_checkpoint(workdir):
+    """The process dies while saving epoch 2's checkpoint, after that epoch's steps and
+    record went to TensorBoard and metrics.jsonl: the resumed run, from epoch 1's
+    checkpoint, trains those steps again, and each step is in the logs once."""
+    last = steps_per_epoch()
+    args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "t", "--log-every", "1"]
+    killed = run_driver(f"TARGET = 'ckpt-{2 * last:08d}'\n{DIE_HALF_WAY}", args, workdir)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir = workdir / "runs" / "t"
+
+    def steps(tag: str) -> list[int]:
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        return [e.step for e in events.Scalars(tag)]
+
+    assert steps("train/batch_loss")[-1] == 2 * last  # logged past the newest checkpoint (step {last})
+    assert_ok(run_single(args, cwd=workdir))
+    assert steps("train/batch_loss") == list(range(1, 2 * last + 1))
+    assert steps("test/accuracy") == [last, 2 * last]
+    assert [m["step"] for m in read_metrics(run_dir)] == [last, 2 * last]
+
+
+def test_weights_that_stop_being_finite_while_the_loss_is_finite_are_never_saved(workdir):
+    """--lr 1e300 makes the weights infinite at the first step after a checkpoint, while
+    that step's loss (computed before the update) is finite: exit 3, the weights named, and
+    every checkpoint left holds finite weights."""
+    first = ["--epochs", "1", "--batch-size", str(BATCH), "--run-name", "w", "--ckpt-every", "1", "--keep-ckpts", "10"]
+    stopped = run_single([*first, "--interrupt-at", "2:USR1"], cwd=workdir)
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
+    diverged = run_single([*first, "--lr", "1e300", "--allow-changes"], cwd=workdir)
+    assert diverged.returncode == EXIT_DIVERGED, diverged.stderr[-2000:]
+    assert "error: the weights stopped being finite at step 3 (epoch 1); nothing from this step on was saved" in (
+        diverged.stderr)
+    saved = sorted((workdir / "runs" / "w" / "checkpoints").glob("ckpt-*.pt"))
+    assert [p.name for p in saved] == ["ckpt-00000001.pt", "ckpt-00000002.pt"]
+    for path in saved:
+        assert all(torch.isfinite(v).all() for v in read_checkpoint(path, "cpu")["model"].values())
+    assert not (workdir / "runs" / "w" / "model.pt").exists()
 
 
 def test_stop_at_the_very_last_step_still_finishes_the_run(workdir):

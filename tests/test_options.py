@@ -46,12 +46,12 @@ def test_the_groups_of_the_command_line_in_order():
                               "--data-feed", "--data-workers"]
     assert groups["training"][:2] == ["--model", "--epochs"]
     assert {"--global-batch", "--batch-size", "--lr", "--weight-decay", "--seed", "--max-steps"} <= set(groups["training"])
-    assert groups["distributed"] == ["--backend", "--device", "--dist-timeout"]
+    assert groups["distributed"] == ["--backend", "--device", "--dist-timeout", "--check"]
     assert groups["speed"] == ["--amp", "--channels-last", "--compile", "--deterministic", "--cuda-graphs"]
     assert groups["output"] == ["--log-dir", "--run-name", "--run-dir", "--log-every", "--progress-every",
                                 "--image-every"]
-    assert groups["checkpoints and preemption"] == ["--resume", "--ckpt-every", "--ckpt-minutes", "--keep-ckpts",
-                                                    "--allow-changes", "--interrupt-at"]
+    assert groups["checkpoints and preemption"] == ["--resume", "--ckpt-every", "--ckpt-minutes", "--stop-before",
+                                                    "--keep-ckpts", "--allow-changes", "--interrupt-at"]
     # Every recipe option is in the group its metadata names, under its kebab-case flag.
     for f in dataclasses.fields(Recipe):
         assert "--" + f.name.replace("_", "-") in groups[f.metadata["group"]], f.name

@@ -113,6 +113,11 @@ SETTLE = re.search(r"^settle\(\) \{.*?^\}$", SBATCH_FILE.read_text(), re.M | re.
     (143, {0: 4}, 143, True),             # ... and srun ended rank 0 with SIGTERM
     (4, {0: 4, 1: 4}, 4, True),           # both lost a peer (a hang ended by --dist-timeout)
     (4, {0: 4, 1: 1}, 1, False),          # rank 1's bug, rank 0 lost it: the bug decides
+    (4, {0: 4, 1: 3}, 3, False),          # rank 1 diverged, rank 0 lost it: never retried
+    (143, {0: 3, 1: 4}, 3, False),        # ... the other way round, srun ending the rest
+    (4, {0: 4, 1: 2}, 2, False),          # rank 1's usage problem, rank 0 lost it
+    (137, {0: 75, 1: 4}, 75, False),      # rank 0 stopped on a signal, rank 1 lost it on the way out
+    (137, {0: 3, 1: 75}, 3, False),       # a divergence beats a stop
     (2, {0: 2, 1: 2}, 2, False),          # a usage problem
     (3, {0: 3, 1: 3}, 3, False),          # diverged
     (75, {0: 75, 1: 75}, 75, False),      # stopped on a signal, not requeued

@@ -412,7 +412,16 @@ def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_n
     assert epochs == list(range(1, len(epochs) + 1))
 
 
-@pytest.mark.parametrize("launcher, sent, chosen, to_batch", [
+@pytest.fixture(scope="module")
+def roomy_node(tmp_path_factory):
+    """One node that advertises 18 CPUs, so that nine 2-task jobs run at once (on the
+    machine's real cores, slower each, sooner all together)."""
+    cluster = Cluster(tmp_path_factory.mktemp("slurm-roomy"), 1, clean_env(LOCAL_SLURM_PORT="16857", LOCAL_SLURM_CPUS="18"))
+    yield cluster
+    cluster.stop()
+
+
+SIGNAL_CASES = [  # (launcher, the signal sent, SIGNAL, sent to the batch shell alone)
     # (USR1 to the ranks, both launchers: test_usr1_saves_requeues_and_resumes)
     ("srun", "HUP", "HUP", False),
     ("torchrun", "HUP", "HUP", False),
@@ -423,32 +432,51 @@ def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_n
     ("srun", "USR1", "USR1", True),       # #SBATCH --signal=B:USR1: only the batch shell gets it
     ("torchrun", "USR1", "USR1", True),
     ("srun", "TERM", "USR1", False),      # scancel's SIGTERM when SIGNAL is USR1: save and stop
-])
-def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(one_node, tmp_path, launcher, sent, chosen,
-                                                                         to_batch):
+]
+
+
+def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(roomy_node, tmp_path):
     """SIGNAL chooses the signal that means "save and requeue"; sent to the ranks, or to the
-    batch shell alone (B:), which passes it on. Any other stop signal saves and stops (75)."""
-    requeued = sent == chosen
-    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                                        f"--signal={'B:' if to_batch else ''}{chosen}@60"],
-                             ["--batch-size", "64", "--epochs", "3", "--ckpt-every", "10"], LAUNCHER=launcher,
-                             SIGNAL=chosen)
-    job_id = wait_for_epoch_1(client, tmp_path)
-    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", f"--signal={sent}",
-                    *(["--batch"] if to_batch else []), job_id], env=one_node.env, check=True, timeout=60)
-    _, out = finish(client, tmp_path, code=0 if requeued else 75)
-    if to_batch:
-        assert f"passing SIG{sent} on to the ranks of job {job_id}" in out
-    assert re.search(rf"^0: stopping on SIG{sent} at step \d+: saved ", out, re.M), out[-3000:]
-    assert bool(re.search(rf"^requeueing Slurm job {job_id} after SIG{sent}; ", out, re.M)) == requeued
-    assert bool(re.search(r"^START .* restart=1 ", out, re.M)) == requeued
-    epochs = [m["epoch"] for m in read_metrics(tmp_path / "runs" / f"job-{job_id}")]
-    if requeued:
-        assert re.search(rf"^0: resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
-        assert epochs == [1, 2, 3]
-    else:
-        assert f"job={job_id} exit=75" in out and re.search(r"^to continue from the newest checkpoint, from ", out, re.M)
-        assert epochs[-1] < 3
+    batch shell alone (B:), which passes it on. Any other stop signal saves and stops (75).
+    Every case in both launcher modes, as nine jobs at once, each signalled once its first
+    epoch is logged."""
+    jobs = {}
+    for launcher, sent, chosen, to_batch in SIGNAL_CASES:
+        submit_dir = tmp_path / f"{launcher}-{sent}-as-{chosen}{'-batch' if to_batch else ''}"
+        client = roomy_node.sbatch(submit_dir, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=1G",
+                                                f"--signal={'B:' if to_batch else ''}{chosen}@60"],
+                                   ["--batch-size", "64", "--epochs", "3", "--ckpt-every", "10"], LAUNCHER=launcher,
+                                   SIGNAL=chosen)
+        jobs[submit_dir] = (client, launcher, sent, chosen, to_batch)
+    waiting, deadline = dict(jobs), time.monotonic() + 600
+    while waiting and time.monotonic() < deadline:
+        for submit_dir, (client, _, sent, _, to_batch) in list(waiting.items()):
+            logs = list(submit_dir.glob("mnist-ddp-*.out"))
+            if logs and re.search(r"^0: epoch   1 \|", logs[0].read_text(), re.M):
+                job_id = logs[0].name.split("-")[-1].removesuffix(".out")
+                subprocess.run([str(LOCAL_SLURM), "exec", str(roomy_node.dir), "scancel", f"--signal={sent}",
+                                *(["--batch"] if to_batch else []), job_id], env=roomy_node.env, check=True, timeout=60)
+                del waiting[submit_dir]
+            assert client.poll() is None, f"{submit_dir.name} ended before its first epoch was logged"
+        time.sleep(0.2)
+    assert not waiting, f"no first epoch logged in time: {[d.name for d in waiting]}"
+    for submit_dir, (client, launcher, sent, chosen, to_batch) in jobs.items():
+        requeued = sent == chosen
+        job_id, out = finish(client, submit_dir, timeout=600, code=0 if requeued else 75)
+        case = f"{submit_dir.name}: {out[-3000:]}"
+        if to_batch:
+            assert f"passing SIG{sent} on to the ranks of job {job_id}" in out, case
+        assert re.search(rf"^0: stopping on SIG{sent} at step \d+: saved ", out, re.M), case
+        assert bool(re.search(rf"^requeueing Slurm job {job_id} after SIG{sent}; ", out, re.M)) == requeued, case
+        assert bool(re.search(r"^START .* restart=1 ", out, re.M)) == requeued, case
+        assert re.search(rf"^START .* launcher={launcher} ", out, re.M), case
+        epochs = [m["epoch"] for m in read_metrics(submit_dir / "runs" / f"job-{job_id}")]
+        if requeued:
+            assert re.search(rf"^0: resumed from \S+/runs/job-{job_id}/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M), case
+            assert epochs == [1, 2, 3], case
+        else:
+            assert f"job={job_id} exit=75" in out and re.search(r"^to continue from the newest checkpoint, from ", out, re.M)
+            assert epochs[-1] < 3, case
 
 
 def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tmp_path):

@@ -153,6 +153,44 @@ def test_a_refused_file_can_be_fixed_and_a_copy_that_nothing_ran_from_is_replace
         assert copy.read_text() == frozen
 
 
+def test_summary_labels_every_exit_code_as_documented(tmp_path):
+    """Each exit code a run can end with, as its exit-code file holds it, gets the state
+    that docs/sweeps.md lists: done, a bug, usage, diverged, a lost peer, stopped, killed
+    by a signal; a run with no exit code yet is running (or requeued, and running), a run
+    the sweep file names that never started is pending."""
+    sweep_dir = tmp_path / "runs" / "codes"
+    expected = {0: "done", 1: "failed (exit 1: a bug)", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)",
+                4: "failed (exit 4: lost a peer)", 75: "stopped (exit 75)", 137: "failed (exit 137: killed by SIGKILL)",
+                143: "failed (exit 143: killed by SIGTERM)", 5: "failed (exit 5)"}
+    for code in expected:
+        (sweep_dir / f"c{code}").mkdir(parents=True)
+        (sweep_dir / f"c{code}" / "exit-code").write_text(f"{code}\n")
+    for name, requeues in (("running", 0), ("requeued", 2)):
+        (sweep_dir / name).mkdir()
+        (sweep_dir / name / "metrics.jsonl").write_text("")
+        (sweep_dir / name / "run.json").write_text(json.dumps({"config": {}, "environment": {"slurm_requeues": requeues}}))
+    rows = json.loads(run_sweep(["summary", str(sweep_dir), "--json"], tmp_path).stdout)
+    states = {row["run"]: row["state"] for row in rows}
+    assert states == {**{f"c{code}": state for code, state in expected.items()}, "running": "running",
+                      "requeued": "requeued (2x), running"}
+    documented = (Path(__file__).parent.parent / "docs" / "sweeps.md").read_text()
+    for state in ("done", "failed (exit 1: a bug)", "failed (exit 2: usage)", "diverged (exit 3)",
+                  "failed (exit 4: lost a peer)", "stopped (exit 75)", "failed (exit 128+N: killed by SIGNAME)",
+                  "failed (exit N)", "running", "requeued (Nx), running", "pending"):
+        assert f"`{state}`" in documented, state
+    pending = tmp_path / "pending.txt"
+    pending.write_text("--lr 1e-3\n--lr 3e-3\n")
+    assert set(summary_states(make_sweep_dir(pending, tmp_path / "runs"), "lr").values()) == {"pending"}
+
+
+def make_sweep_dir(sweep_file: Path, runs: Path) -> Path:
+    """A sweep directory as `sweep.py submit` leaves it before any task ran: the file's copy."""
+    sweep_dir = runs / sweep_file.stem
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "sweep.txt").write_text(sweep_file.read_text())
+    return sweep_dir
+
+
 def test_summary_reads_past_a_torn_metrics_line(tmp_path):
     """A crash while a run appended to its metrics.jsonl leaves half a line: the summary
     still lists the run, from its whole lines."""

@@ -10,6 +10,7 @@ the event files with TensorBoard's reader.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -152,7 +153,8 @@ def test_images_text_and_hparams_in_the_event_files(logdir):
     tensors = set(events.Tags()["tensors"])
     assert {"config/text_summary", "environment/text_summary", "log/text_summary"} <= tensors
     lines = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("log/text_summary")]
-    assert len(lines) == 2 and lines[0].startswith("`epoch   1 | train loss ")
+    assert len(lines) == 3 and lines[0].startswith("`epoch   1 | train loss ") and lines[2].startswith("`epoch   2 |")
+    assert re.fullmatch(r"about \d+ s to finish at this speed", lines[1])  # after the first epoch (no Slurm: no limit)
     hparams = events.PluginTagToContent("hparams")
     assert "_hparams_/session_start_info" in hparams
     assert b"batch_size" in hparams["_hparams_/session_start_info"]

@@ -205,6 +205,22 @@ def test_batch_jobs_print_progress_lines(workdir):
     assert "(step 5 in all)" not in quiet.stdout
 
 
+@pytest.mark.parametrize("n", [4000, 4001, 4003, 10, 7])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_epoch_shards_are_disjoint_and_equally_long_when_the_set_does_not_divide(n, world_size):
+    """Every rank runs the same number of steps (or a collective waits forever), and no
+    image is trained twice in an epoch: the shards are disjoint and of one length, n //
+    world_size, with fewer than world_size images left out; each epoch's order differs."""
+    for epoch in (1, 2):
+        shards = [mnist_ddp.epoch_shard(n, epoch, 0, rank, world_size) for rank in range(world_size)]
+        assert {len(shard) for shard in shards} == {n // world_size}
+        together = torch.cat(shards)
+        assert len(set(together.tolist())) == len(together) and together.min() >= 0 and together.max() < n
+        assert n - len(together) < world_size
+    first, second = (mnist_ddp.epoch_shard(n, epoch, 0, 0, world_size) for epoch in (1, 2))
+    assert len(first) < 2 or not torch.equal(first, second)
+
+
 def test_shift_augmentation_moves_images_by_one_pixel():
     moves = mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25)
     moved = moves.abs().sum(0) > 0
