@@ -44,9 +44,9 @@ more --epochs or another --lr. SIGUSR1, SIGTERM or SIGHUP: save at the next step
 the Slurm job (run_training.sbatch: on its SIGNAL, USR1 by default), exit; Ctrl-C: save at
 the next step and exit. Under Slurm the same save, requeue and exit comes --stop-before
 minutes ahead of the job's time limit, with no signal; after its first epoch a run says
-whether it fits in the job's time. One run of a name runs at a time (a second one exits 2). A rank that dies or hangs makes the others exit with code 4
-within --dist-timeout; run_training.sbatch then restarts the job from the newest
-checkpoint.
+whether it fits in the job's time. One run of a name runs at a time (a second one exits
+2). A rank that dies or hangs makes the others exit with code 4 within --dist-timeout;
+run_training.sbatch then restarts the job from the newest checkpoint.
 
 Exit codes
    0  done

@@ -291,7 +291,7 @@ def task(sweep_file: Path, index: int) -> list[str]:
 # ----------------------------------------------------------------------------- summary
 
 STATES = {0: "done", 1: "failed (exit 1: a bug)", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)",
-          4: "failed (exit 4: lost a peer)", 75: "stopped (exit 75)"}
+          4: "failed (exit 4: lost a peer)", 75: "stopped (exit 75)", 130: "failed (exit 130: Ctrl-C before training)"}
 
 
 def exit_state(code: int) -> str:

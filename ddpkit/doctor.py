@@ -26,6 +26,7 @@ from ddpkit.options import RunOptions
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
 LATER = 20.0  # seconds more that the other ranks wait than rank 0
+ACK_WAIT = 10.0  # seconds rank 0 waits, after a failed rendezvous, for the others to read its verdict
 TIMED_BYTES = 64 * 2**20  # the timed all-reduce: large enough that the network, not latency, sets its time
 TIMED_REPEATS = 3
 PREFIX = "mnist-ddp-check"  # its keys, apart from any others in torchrun's store
@@ -142,24 +143,31 @@ def check_job(options: RunOptions, launch: Launch) -> int:
                               timeout=timedelta(seconds=timeout + (0 if main else LATER)), wait_for_workers=False)
     except Exception as err:  # (DistNetworkError, a RuntimeError: cannot connect, or the port is taken)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if main and not agent_store:
+            say(f"check failed: rank 0 on {me['host']} cannot open the rendezvous port {launch.master_addr}:"
+                f"{launch.master_port} ({first[:200]}); submit with another MASTER_PORT, or check MASTER_ADDR")
+            return EXIT_LOST_PEER
         say(f"check failed: rank {rank} on {me['host']} cannot reach the rendezvous at {launch.master_addr}:"
             f"{launch.master_port} within {timeout + (0 if main else LATER):g} s ({first[:200]}); {network_hints(launch, backend, me['host'])}")
         return EXIT_LOST_PEER
     store = dist.PrefixStore(f"{PREFIX}/{launch.attempt}", store)
     store.set(f"joined/{rank}", json.dumps(me))
     if main:
-        code = wait_for_ranks(store, launch, backend, timeout)
+        code, joined = wait_for_ranks(store, launch, backend, timeout)
         store.set("verdict", str(code))
-        if code:
+        if code:  # the ranks that came read it before rank 0, and the store, are gone
+            wait_for_keys(store, [f"read/{r}" for r in joined if r], ACK_WAIT)
             return code
     else:
         try:
             store.wait(["verdict"], timedelta(seconds=timeout + LATER))
+            code = int(store.get("verdict"))
+            store.set(f"read/{rank}", "")
         except Exception:
             say(f"check failed: rank {rank} on {me['host']} heard nothing from rank 0 within {timeout + LATER:g} s")
             return EXIT_LOST_PEER
-        if int(store.get("verdict")):
-            return int(store.get("verdict"))  # (rank 0 says why)
+        if code:
+            return code  # (rank 0 says why)
     # 2. The backend connects every pair of ranks.
     started = time.monotonic()
     try:
@@ -194,14 +202,22 @@ def table_line(info: dict) -> str:
     return "  ".join(str(info[k]) for k in ("host", "device", "cpus", "gpus", "network", "versions"))
 
 
-def wait_for_ranks(store, launch: Launch, backend: str, timeout: float) -> int:
-    """Rank 0: wait until every rank has joined, or the time is up; print who came (and who did not)."""
-    n, deadline = launch.world_size, time.monotonic() + timeout
-    missing = list(range(n))
+def wait_for_keys(store, keys: list[str], timeout: float) -> list[str]:
+    """Wait until the store holds every key, or the time is up; returns the keys still missing."""
+    deadline = time.monotonic() + timeout
+    missing = list(keys)
     while missing and time.monotonic() < deadline:
-        missing = [r for r in missing if not store.check([f"joined/{r}"])]
+        missing = [key for key in missing if not store.check([key])]
         if missing:
             time.sleep(0.1)
+    return missing
+
+
+def wait_for_ranks(store, launch: Launch, backend: str, timeout: float) -> tuple[int, list[int]]:
+    """Rank 0: wait until every rank has joined, or the time is up; print who came (and who
+    did not). Returns the exit code and the ranks that joined."""
+    n = launch.world_size
+    missing = [int(key.split("/")[1]) for key in wait_for_keys(store, [f"joined/{r}" for r in range(n)], timeout)]
     hosts = expected_hosts(n)
     for r in range(n):
         if r not in missing:
@@ -211,11 +227,11 @@ def wait_for_ranks(store, launch: Launch, backend: str, timeout: float) -> int:
     if not missing:
         say(f"check: all {n} ranks joined the rendezvous at {launch.master_addr}:{launch.master_port} in "
             f"{process_age():.1f} s")
-        return 0
+        return 0, list(range(n))
     away = sorted({hosts[r] for r in missing if hosts[r]}) or ["their nodes"]
     say(f"check failed after {process_age():.0f} s: {ranks_and_hosts(missing, hosts)} never joined the rendezvous at "
         f"{launch.master_addr}:{launch.master_port} within {timeout:g} s; {network_hints(launch, backend, ', '.join(away))}")
-    return EXIT_LOST_PEER
+    return EXIT_LOST_PEER, [r for r in range(n) if r not in missing]
 
 
 def known_answer(device: torch.device, n: int) -> bool:

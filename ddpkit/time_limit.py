@@ -4,7 +4,10 @@ fits in the time that is left.
 
 The end time comes from SLURM_JOB_END_TIME where Slurm sets it (23.02 and later); else
 from `scontrol show job`, which run_training.sbatch runs once on the host (a container may
-have no scontrol) and passes on as MNIST_DDP_JOB_INFO; else rank 0 runs it once itself.
+have no scontrol) and passes on as MNIST_DDP_JOB_INFO, with its times in Unix seconds as
+MNIST_DDP_JOB_TIMES (scontrol prints local time, and a container's time zone may differ
+from the host's); else rank 0 runs scontrol once itself. Whether the job may be requeued,
+and whether it has a limit at all, come from the scontrol line where there is one.
 Only rank 0 watches the clock: the ranks' per-step agreement carries its stop to the rest.
 
 Standard library only, like launch.py."""
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 # Seconds left for what follows the stop when nothing slower was measured: the step in
 # flight, the save, the ranks' exit and the requeue, with room for a busy file system.
 BASE_MARGIN = 60.0
+NO_LIMIT = 365 * 24 * 3600.0  # Slurm gives a job without a time limit an end a year away
 SCONTROL_TIMEOUT = 10.0  # seconds; a slow controller costs a start-up no more than this
 
 
@@ -56,23 +60,36 @@ def times_from_job_info(info: str) -> JobTimes | None:
     return JobTimes(start, end, requeue)
 
 
+def unix_times(text: str) -> tuple[float, float] | None:
+    """'START END' in Unix seconds, or None."""
+    parts = text.split()
+    return (float(parts[0]), float(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+
+
 def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subprocess.run) -> JobTimes | None:
     """This job's times, or None outside Slurm, for a job without a time limit, or when
     scontrol cannot say (it is asked once, with a short timeout)."""
     if not job_id:
         return None
-    if env.get("SLURM_JOB_END_TIME", "").isdigit() and env.get("SLURM_JOB_START_TIME", "").isdigit():
-        start, end = float(env["SLURM_JOB_START_TIME"]), float(env["SLURM_JOB_END_TIME"])
-        return JobTimes(start, end) if end > start else None
     info = env.get("MNIST_DDP_JOB_INFO", "")
-    if not info:
+    given = (unix_times(f"{env.get('SLURM_JOB_START_TIME', '')} {env.get('SLURM_JOB_END_TIME', '')}")
+             or unix_times(env.get("MNIST_DDP_JOB_TIMES", "")))
+    if not info and not given:
         try:
             result = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                          timeout=SCONTROL_TIMEOUT)
         except (OSError, subprocess.SubprocessError):
             return None
         info = result.stdout if result.returncode == 0 else ""
-    return times_from_job_info(info.splitlines()[0] if info.strip() else "")
+    line = times_from_job_info(info.splitlines()[0] if info.strip() else "")
+    if info.strip() and line is None:  # the line says: no time limit
+        return None
+    if given:
+        start, end = given
+        if not start < end < start + NO_LIMIT:
+            return None
+        return JobTimes(start, end, line.requeue if line else None)
+    return line
 
 
 def duration(seconds: float) -> str:
@@ -104,7 +121,7 @@ class TimeLimit:
     def __init__(self, times: JobTimes | None, stop_before: str, clock: Callable[[], float] = time.time):
         self.times, self.clock = times, clock
         self.fixed = None if stop_before == "auto" else float(stop_before) * 60
-        self.slowest_save = self.step_seconds = 0.0
+        self.slowest_save = self.step_seconds = self.last_step = 0.0
         self.started = clock()  # when this process began training (its start-up is behind it)
         self.watching = times is not None and self.fixed != 0
 
@@ -123,6 +140,13 @@ class TimeLimit:
     def saved(self, seconds: float) -> None:
         self.slowest_save = max(self.slowest_save, seconds)
 
+    def stepped(self, now: float) -> None:
+        """After each step (rank 0): a running average of the time between steps."""
+        if self.last_step:
+            between = now - self.last_step
+            self.step_seconds = between if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * between
+        self.last_step = now
+
     def start_line(self) -> str:
         """What the run does about the time limit, said once as training starts ("" without one).
         A job that starts with less than the margin left does not stop for it at all: it would
@@ -135,14 +159,14 @@ class TimeLimit:
         if left <= margin:
             self.watching = False
             return (f"warning: Slurm ends this job in {duration(left)}, less than the {duration(margin)} it stops before "
-                    "the end (--stop-before): it does not stop for the time limit; ask for a longer --time")
+                    "the end (--stop-before): it does not stop for the time limit; ask for a longer --time, or pass a "
+                    "smaller --stop-before")
         return (f"Slurm ends this job in {duration(left)}: it saves and stops {duration(margin)} before that "
                 f"(--stop-before {'auto' if self.fixed is None else f'{self.fixed / 60:g}'}), if no signal comes first")
 
     def fit_line(self, seconds_per_step: float, steps_left: int) -> str:
         """After the first epoch: the time the rest of the run needs at this speed (evaluations
         and checkpoints included), and whether it fits in what is left of the job."""
-        self.step_seconds = seconds_per_step
         needed = seconds_per_step * steps_left
         if self.times is None:
             return f"about {duration(needed)} to finish at this speed"

@@ -102,6 +102,8 @@ class TrainingRun:
         self.loss.add(loss, images)
         self.trained += images
         progress.step, progress.step_in_epoch = progress.step + 1, progress.step_in_epoch + 1
+        if self.stop.time_limit:  # (rank 0) the stop before the time limit leaves room for two steps
+            self.stop.time_limit.stepped(time.perf_counter())
         if self.rt.is_main and self.interrupt_step and progress.step == self.interrupt_step:
             os.kill(os.getpid(), getattr(signal, f"SIG{self.interrupt_signal}"))
         # The ranks agree on the previous step while this one runs: a stop lands one step
@@ -133,8 +135,11 @@ class TrainingRun:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self.loss.reset()
         path = self.checkpoint()
-        if self.estimate_due and progress.step > self.epoch_first_step and not self.done():  # this process's first epoch
-            seconds_per_step = (time.perf_counter() - self.epoch_started) / (progress.step - self.epoch_first_step)
+        # After the first epoch this process trained at least half of (a resumed one's rest
+        # would spread its evaluation over a few steps).
+        trained_here = progress.step - self.epoch_first_step
+        if self.estimate_due and trained_here >= self.steps_per_epoch / 2 and not self.done():
+            seconds_per_step = (time.perf_counter() - self.epoch_started) / trained_here
             self.logger.note(self.estimate_due.fit_line(seconds_per_step, self.total_steps - self.schedule_step),
                              progress.step)
             self.estimate_due = None

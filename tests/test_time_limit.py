@@ -32,11 +32,21 @@ def test_the_times_of_a_scontrol_line():
 
 
 def test_where_the_times_come_from(monkeypatch):
-    # Slurm's own variables first (23.02 and later), then the batch file's line; none outside a job.
-    env = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600", "MNIST_DDP_JOB_INFO": INFO}
-    assert read_job_times(env, "7") == JobTimes(1000.0, 4600.0)
+    # Slurm's own variables first (23.02 and later), then the batch file's Unix times, then
+    # its scontrol line's local times; whether it requeues comes from that line. None
+    # outside a job, or for a job without a limit.
+    env = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600", "MNIST_DDP_JOB_INFO": INFO,
+           "MNIST_DDP_JOB_TIMES": "2000 2120"}
+    assert read_job_times(env, "7") == JobTimes(1000.0, 4600.0, requeue=True)
+    assert read_job_times({"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}, "7") == JobTimes(1000.0, 4600.0)
+    batch = {"MNIST_DDP_JOB_INFO": INFO.replace("Requeue=1", "Requeue=0"), "MNIST_DDP_JOB_TIMES": "2000 2120"}
+    assert read_job_times(batch, "7") == JobTimes(2000.0, 2120.0, requeue=False)  # (not the line's local times)
     assert read_job_times({"MNIST_DDP_JOB_INFO": INFO}, "7") == JobTimes(START, START + 120, requeue=True)
     assert read_job_times(env, "") is None
+    a_year = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": str(1000 + 365 * 24 * 3600)}
+    assert read_job_times(a_year, "7") is None  # what Slurm gives a job without a time limit
+    unlimited = INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED")
+    assert read_job_times({"MNIST_DDP_JOB_INFO": unlimited, "MNIST_DDP_JOB_TIMES": "2000 2120"}, "7") is None
     # No scontrol on the PATH (a container): no time limit known, no crash.
     monkeypatch.setenv("PATH", "/nonexistent")
     assert read_job_times({}, "7") is None
@@ -69,6 +79,9 @@ def test_the_stop_comes_a_minute_and_twice_the_slowest_save_and_step_before_the_
     limit.saved(2.0)
     clock.now = 3519.0
     assert not limit.up() and limit.margin() == 80.0
+    for now in (100.0, 102.0, 104.0):  # steps of 2 s: the stop comes two steps sooner still
+        limit.stepped(now)
+    assert limit.margin() == 84.0
     clock.now = 3520.0
     assert limit.up()
 
@@ -93,6 +106,7 @@ def test_a_job_that_starts_with_less_time_than_the_margin_does_not_stop_at_its_f
     limit = TimeLimit(JobTimes(0.0, 3600.0), "auto", clock)
     line = limit.start_line()
     assert line.startswith("warning: Slurm ends this job in 30 s, less than the 60 s it stops before the end")
+    assert line.endswith("ask for a longer --time, or pass a smaller --stop-before")
     assert not limit.up()
 
 
@@ -103,7 +117,7 @@ def test_after_the_first_epoch_it_says_whether_the_run_fits():
     fits = TimeLimit(job, "auto", clock)
     assert fits.fit_line(1.0, 1800) == "about 30 min to finish at this speed; the job ends in 55 min: it fits"
     # 2 h 10 min of training, 55 min left: about 54 min of it here, then 58 min in each run
-    # of the job after its start-up (300 s here) and the margin (60 s + 2 steps).
+    # of the job after its start-up (300 s here) and the margin (60 s).
     clock.now = 900.0
     long = TimeLimit(job, "auto", Clock(300.0))
     long.clock = clock
@@ -113,7 +127,7 @@ def test_after_the_first_epoch_it_says_whether_the_run_fits():
     once.clock = clock
     assert "it will be requeued about once;" in once.fit_line(1.0, 4000)
     stays = TimeLimit(JobTimes(0.0, 3600.0, requeue=False), "auto", clock)
-    assert "it saves and stops 62 s before the end, and is not requeued (the line it prints continues it)" in (
+    assert "it saves and stops 60 s before the end, and is not requeued (the line it prints continues it)" in (
         stays.fit_line(1.0, 7800))
     short = TimeLimit(JobTimes(0.0, 400.0), "auto", Clock(350.0))
     assert "its time limit leaves no time to train after start-up" in short.fit_line(1.0, 7800)
