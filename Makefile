@@ -1,7 +1,11 @@
 # make run   - create .venv if missing, then train one process on the bundled MNIST sample
 # make test  - create .venv if missing, install what the tests need (Python packages; as
 #              root, Debian's Slurm, munge, shellcheck, openssh-server, bubblewrap, iptables and Fashion-MNIST), lint with
-#              ruff, run the whole suite
+#              ruff, check the docs' figures, run the whole suite
+# make check-docs - the README's and docs' figures agree with docs/figures/ (benchmarks/figures.py)
+# make mutants - install mutmut, mutate the launch environment, the time limit, the printed
+#              commands, the epoch's shards and the sweep summary, run their fast unit tests
+#              against each mutant, print the survivors and the score (docs/mutants.md; ~2 min)
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 #            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2").
 
@@ -9,7 +13,18 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test
+.PHONY: run test check-docs mutants
+
+# The functions `make mutants` mutates (mutmut's names; ? stands for the ǁ around a class name).
+MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.launch.x_port_from_job_id__*' \
+           'ddpkit.launch.x_tasks_on_node__*' 'ddpkit.launch.x_gpus_granted__*' 'ddpkit.launch.x__int_var__*' \
+           'ddpkit.launch.x_refuse_training_alone__*' 'ddpkit.launch.x_read_launch_env__*' \
+           'ddpkit.launch.x_write_exit_file__*' 'ddpkit.launch.x_record_exit__*' 'ddpkit.launch.x_unfixable_exit__*' \
+           'ddpkit.launch.x_exit_status__*' 'ddpkit.launch.x?StopSignals?*' \
+           'ddpkit.time_limit.*' 'ddpkit.jobs.x_continue_command__*' 'ddpkit.jobs.x_launcher_words__*' \
+           'mnist_ddp.x_epoch_shard__*' 'mnist_ddp.x_epoch_shifts__*' \
+           'sweep.x_exit_state__*' 'sweep.x_run_state__*' 'sweep.x_collect__*' 'sweep.x_summary_table__*' \
+           'sweep.x_read_records__*'
 
 run: $(VENV)/.installed
 	$(PY) mnist_ddp.py $(ARGS)
@@ -17,7 +32,22 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	./local-slurm.sh install
 	$(PY) -m ruff check .
+	$(PY) benchmarks/figures.py
 	$(PY) -m pytest tests
+
+check-docs: $(VENV)/.installed
+	$(PY) benchmarks/figures.py
+
+# mutmut writes mutants/ (a copy of the code, one mutant at a time switched on); it starts
+# afresh each time. Timeouts count as killed, as mutmut's own score counts them. Each mutant
+# runs in a process forked from mutmut's, which has run torch: with OpenMP threads there the
+# child's first parallel operation hangs (a timeout, not a verdict), hence one thread.
+mutants: $(VENV)/.installed-dev
+	$(PY) -m pip install --quiet mutmut==3.8.1
+	rm -rf mutants && mkdir mutants
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $$(nproc) $(MUTANTS) > mutants/run.log 2>&1 || (tail -n 40 mutants/run.log; false)
+	$(VENV)/bin/mutmut results --all true | awk -F': ' '$$2 != "not checked" { n++; if ($$2 == "killed" || $$2 == "timeout") k++; else print } \
+	    END { printf "mutants killed: %d of %d (%.1f %%)\n", k, n, 100 * k / n }'
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -250,7 +250,8 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
-            "python": platform.python_version(), "torch": torch.__version__, "gpu": "none"}
+            "python": platform.python_version(), "torch": torch.__version__, "gpu": "none",
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def fmt(value, spec: str = ".1f", missing: str = "not reached") -> str:
@@ -367,6 +368,8 @@ def main() -> None:
     ref_second = next((e["since_start_s"] for e in ref["epochs"] if e["epoch"] == 2), None)
     results["time_ratio_reference_epoch_2"] = ref_second / our_time if ref_second and our_time else None
     results["speed_ratio"] = our_speed / ref_speed
+    ready = re.search(r"ready in [^\n]*\)", (out / "default.log").read_text())
+    results["default"]["ready_line"] = ready.group(0) if ready else None  # where its start-up went
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text(markdown(results))
     print(markdown(results))

@@ -9,6 +9,8 @@ test_a_job_without_signal_requeues_itself_before_its_time_limit.
 """
 
 import datetime
+import math
+import subprocess
 
 from ddpkit.time_limit import JobTimes, TimeLimit, duration, read_job_times, slurm_duration, times_from_job_info
 
@@ -131,3 +133,82 @@ def test_after_the_first_epoch_it_says_whether_the_run_fits():
         stays.fit_line(1.0, 7800))
     short = TimeLimit(JobTimes(0.0, 400.0), "auto", Clock(350.0))
     assert "its time limit leaves no time to train after start-up" in short.fit_line(1.0, 7800)
+
+
+def test_a_line_without_a_start_or_with_a_partition_limit_gives_no_times():
+    assert times_from_job_info(INFO.replace("StartTime=2026-11-24T13:15:52", "StartTime=Unknown")) is None
+    assert times_from_job_info(INFO.replace("TimeLimit=00:02:00", "TimeLimit=Partition_Limit")) is None
+    assert times_from_job_info(INFO.replace("EndTime=2026-11-24T13:17:52", "EndTime=2026-11-24T13:15:52")) is None
+    assert read_job_times({"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "1000"}, "7") is None
+
+
+def test_scontrol_is_asked_once_and_only_when_nothing_else_says():
+    calls = []
+
+    def scontrol(returncode: int, stdout: str = INFO):
+        def run(args, **kwargs):
+            calls.append((args, kwargs))
+            return subprocess.CompletedProcess(args, returncode, stdout, "")
+        return run
+
+    assert read_job_times({}, "7", run=scontrol(0)) == JobTimes(START, START + 120, requeue=True)
+    assert calls == [(["scontrol", "show", "job", "-o", "7"], {"capture_output": True, "text": True, "timeout": 10.0})]
+    assert read_job_times({}, "7", run=scontrol(1)) is None  # (an unknown job: what it printed is no job line)
+    calls.clear()
+    given = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}
+    assert read_job_times(given, "7", run=scontrol(0)) == JobTimes(1000.0, 4600.0) and calls == []
+
+    def timed_out(args, **kwargs):
+        raise subprocess.TimeoutExpired(args, kwargs["timeout"])
+    assert read_job_times({}, "7", run=timed_out) is None
+
+
+def test_durations_at_their_edges():
+    assert [duration(s) for s in (0, -5, 7260)] == ["0 s", "0 s", "2 h 01 min"]
+    assert [slurm_duration(s) for s in (3600, 3600.5, 3601, 36000, 36000.5, 86400)] == [
+        "1:00:00", "1:10:00", "1:10:00", "10:00:00", "10:30:00", "1-00:00:00"]
+
+
+def test_the_step_time_is_a_running_average_from_the_second_step_on():
+    limit = TimeLimit(JobTimes(0.0, 3600.0), "auto", Clock(0.0))
+    limit.stepped(100.0)
+    assert limit.step_seconds == 0.0
+    limit.stepped(102.0)
+    assert limit.step_seconds == 2.0
+    limit.stepped(106.0)
+    assert abs(limit.step_seconds - 2.2) < 1e-9
+
+
+def test_the_start_line_at_the_margin_and_with_minutes_given():
+    assert TimeLimit(JobTimes(0.0, 3600.0), "auto", Clock(3540.0)).start_line().startswith(
+        "warning: Slurm ends this job in 60 s, less than the 60 s it stops before the end")
+    assert TimeLimit(JobTimes(0.0, 3600.0), "1.5", Clock(0.0)).start_line() == (
+        "Slurm ends this job in 1 h: it saves and stops 2 min before that (--stop-before 1.5), if no signal comes first")
+    late = TimeLimit(JobTimes(0.0, 3600.0), "auto", Clock(3590.0))
+    late.start_line()
+    assert late.up() is False
+    assert TimeLimit(None, "auto").left() == math.inf
+    second = TimeLimit(JobTimes(0.0, 3600.0), str(1 / 60), Clock(3599.0))  # a stop one second before the end
+    assert second.up() is True
+
+
+def test_whether_it_fits_at_the_edges():
+    clock = Clock(300.0)
+    job = JobTimes(0.0, 3600.0, requeue=True)
+    assert TimeLimit(job, "auto", clock).fit_line(1.0, 3240).endswith(": it fits")  # exactly the time left
+    assert TimeLimit(job, "auto", clock).fit_line(1.0, 3300).startswith("needs about 55 min")
+    # A job that started at 1000 s and trains from its start: 3540 s in each run of it.
+    clock = Clock(1000.0)
+    late = JobTimes(1000.0, 4600.0, requeue=True)
+    assert TimeLimit(late, "auto", clock).fit_line(1.0, 7080) == (
+        "needs about 1 h 58 min at this speed, the job ends in 1 h: it will be requeued about once; "
+        "--time=2:20:00 would do it in one")
+    assert "requeued about 2 times" in TimeLimit(late, "auto", clock).fit_line(1.0, 7081)
+    clock.now = 4540.0  # at the margin: all of it in the runs that follow
+    at_margin = TimeLimit(late, "auto", Clock(1000.0))
+    at_margin.clock = clock
+    assert "requeued about once" in at_margin.fit_line(1.0, 3540)
+    assert "requeued about 2 times" in at_margin.fit_line(1.0, 3541)
+    # Start-up takes all but the margin (0 s to train), or leaves one second.
+    assert "leaves no time to train after start-up" in TimeLimit(JobTimes(0.0, 400.0), "auto", Clock(340.0)).fit_line(1.0, 10)
+    assert "requeued about 9 times" in TimeLimit(JobTimes(0.0, 400.0, requeue=True), "auto", Clock(339.0)).fit_line(1.0, 10)

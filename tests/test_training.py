@@ -2,8 +2,9 @@
 the smoke run learns (>= 95 %), torchrun and srun-style launches work, 2 and 4 ranks train
 the model 1 process trains (the global batch is split among them), 2 ranks x batch B match 1
 process x batch 2B, a global batch that does not split is refused, seeded runs are bit-identical, evaluation with 3 ranks counts
-every test image once, TensorBoard's own reader finds the logged tags, and the shift
-augmentation moves each image by at most one pixel, the same way for any world size.
+every test image once, TensorBoard's own reader finds the logged tags, the shards of an
+epoch are disjoint and the order of a seed is pinned, and the shift augmentation moves each
+image by at most one pixel, the same way for any world size.
 
     python -m pytest tests/test_training.py
 """
@@ -221,6 +222,17 @@ def test_epoch_shards_are_disjoint_and_equally_long_when_the_set_does_not_divide
     assert len(first) < 2 or not torch.equal(first, second)
 
 
+def test_the_order_of_a_seed_stays_the_same_from_one_version_to_the_next():
+    """A run resumed in the middle of an epoch goes on with that epoch's order: if the code
+    that draws it changed between the save and the resume, some images would be trained
+    twice in that epoch and others not at all. So the order of a seed is pinned here, and
+    the shifts of the augmentation with it."""
+    assert [mnist_ddp.epoch_shard(10, 1, 0, rank, 2).tolist() for rank in (0, 1)] == [[5, 1, 0, 9, 7], [6, 2, 8, 3, 4]]
+    assert mnist_ddp.epoch_shard(10, 2, 3, 0, 1).tolist() == [0, 7, 1, 6, 3, 8, 9, 4, 2, 5]
+    assert mnist_ddp.epoch_shifts(12, epoch=3, seed=2, fraction=0.5).tolist() == [
+        [-1, -1, 0, 1, 0, -1, 1, 0, 1, 1, 0, 0], [1, -1, -1, 0, 0, -1, 1, -1, 0, 1, 0, 0]]
+
+
 def test_shift_augmentation_moves_images_by_one_pixel():
     moves = mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25)
     moved = moves.abs().sum(0) > 0
@@ -231,6 +243,8 @@ def test_shift_augmentation_moves_images_by_one_pixel():
     assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=4, seed=0, fraction=0.25))
     assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=3, seed=1, fraction=0.25))
     assert mnist_ddp.epoch_shifts(10, epoch=0, seed=0, fraction=0.0) is None
+    every = mnist_ddp.epoch_shifts(1000, epoch=3, seed=0, fraction=1.0)  # each image moves, in one of 8 directions
+    assert (every.abs().sum(0) > 0).all() and len(set(map(tuple, every.T.tolist()))) == 8
     images = torch.arange(1, 28 * 28 + 1, dtype=torch.int32).reshape(1, 28, 28).repeat(9, 1, 1).to(torch.uint8)
     grid = torch.tensor([[d // 3 - 1 for d in range(9)], [d % 3 - 1 for d in range(9)]])
     shifted = imagesets.shift_images(images.unsqueeze(1), grid).squeeze(1)

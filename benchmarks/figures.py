@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""The figures in the README and docs/, written from the output files in docs/figures/.
+
+    python benchmarks/figures.py                    # check: exit 1 where a page disagrees with its files
+    python benchmarks/figures.py write              # rewrite every figure block from the files
+    python benchmarks/bench.py && python benchmarks/bench.py --ranks && \\
+        python benchmarks/figures.py write --bench-out bench-out   # take a new benchmark's files first
+    python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (about a minute)
+    python benchmarks/figures.py sweep              # the README's sweep, its summary and the screenshots
+    python benchmarks/figures.py tests JUNIT.xml    # the suite's size and time, from pytest --junitxml
+
+A figure block in a page sits between `<!-- figures: NAME -->` and `<!-- /figures -->`;
+BLOCKS below says what writes each one, and every block names the machine and the date
+its file came from. The output files (docs/figures/):
+  bench.json, ranks.json   benchmarks/bench.py and bench.py --ranks (copied from bench-out/)
+  sample.json              `sample`: mnist_ddp.py's defaults on the bundled sample, seeds 0-2
+  sweep.json, sweep-summary.txt, tensorboard-sh.txt, and docs/tensorboard-*.png
+                           `sweep`: the README's sweep with `sweep.py run`, its summary, and
+                           the real tensorboard.sh on it, photographed by headless Chromium
+  tests.json               `tests`: a run of the suite, `pytest tests --junitxml=FILE`
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "docs" / "figures"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"<!-- figures: (\S+) -->(.*?)<!-- /figures -->", re.S)
+SLURM_MODULES = ("test_slurm", "test_tunnel")  # as tests/conftest.py marks them
+EXAMPLE_USER, EXAMPLE_HOST = "alice", "login1.cluster.example"  # the README's, for this machine's
+
+
+def load(name: str) -> dict:
+    path = FIGURES / name
+    if not path.exists():
+        raise SystemExit(f"figures.py: {path.relative_to(ROOT)} is missing; see `python benchmarks/figures.py --help` for "
+                         "the command that writes it")
+    return json.loads(path.read_text())
+
+
+def machine_words(m: dict) -> str:
+    return f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB, {'no GPU' if m.get('gpu', 'none') == 'none' else m['gpu']}"
+
+
+def source(m: dict) -> str:
+    """Where a figure came from: the machine and the date."""
+    return f"{machine_words(m)}; {m['date']}"
+
+
+def data_words(dataset: str) -> str:
+    return {"fashion-mnist": "full Fashion-MNIST", "mnist-sample": "the bundled MNIST sample"}.get(dataset, dataset)
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+def benchmark_summary() -> str:
+    """README, Benchmark: the headline figures of bench.json."""
+    b = load("bench.json")
+    ref, ours, target = b["reference"], b["default"], f"{100 * b['target_accuracy']:.0f} %"
+    second = next((e for e in ref["epochs"] if e["epoch"] == 2), None)
+    against_second = (f"; {b['time_ratio_reference_epoch_2']:.1f}x against its second epoch, at "
+                      f"{100 * second['test_accuracy']:.2f} %") if second and b.get("time_ratio_reference_epoch_2") else ""
+    ordinal = {1: "first", 2: "second", 3: "third", 4: "fourth"}.get(ref["crossed_at_epoch"], f"epoch {ref['crossed_at_epoch']}")
+    reference = (f"the reference loop of the usual examples {ref['time_to_target_s']:.1f} s, in its {ordinal} epoch "
+                 f"({b['time_ratio']:.1f}x shorter{against_second})") if ref["time_to_target_s"] else \
+        f"the reference loop of the usual examples not in its {len(ref['epochs'])} epochs"
+    return (f"Latest run ({b['machine']['date']}), on {data_words(b['dataset'])}, on {machine_words(b['machine'])}: "
+            f"the defaults reach {target} test accuracy {ours['time_to_target_s']:.1f} s from process start, {reference}; "
+            f"training images/s {ours['images_per_s']:.0f} against {ref['images_per_s']:.0f} ({b['speed_ratio']:.1f}x).")
+
+
+def benchmark_table() -> str:
+    """docs/benchmark.md: the whole table of bench.json, as bench.py writes it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench import markdown
+    b = load("bench.json")
+    return f"\nLatest run (`python benchmarks/bench.py`, {b['machine']['date']}). {markdown(b)}"
+
+
+def ranks_table() -> str:
+    """README, Launching: test accuracy by rank count, from ranks.json."""
+    r = load("ranks.json")
+    counts = [int(n) for n in next(iter(r["accuracy"].values()))]
+    data = data_words(r["dataset"])
+    lines = [f"{data[0].upper()}{data[1:]}, 2 epochs, `torchrun`, one thread per rank from 2 ranks on "
+             f"({source(r['machine'])}), from `python benchmarks/bench.py --ranks`:", "",
+             "| test accuracy after 2 epochs | " + " | ".join(f"{n} rank{'s' * (n > 1)}" for n in counts) + " |",
+             "|---|" + "---|" * len(counts)]
+    lines += [f"| {way} | " + " | ".join(f"{100 * by[str(n)]:.2f} %" for n in counts) + " |"
+              for way, by in r["accuracy"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def startup_line() -> str:
+    """README, Start-up: the `ready in` line of the benchmark's run of the defaults."""
+    b = load("bench.json")
+    return (f"`{b['default']['ready_line']}` (the benchmark's run of the defaults, one process, "
+            f"{data_words(b['dataset'])}; {source(b['machine'])})")
+
+
+def sample_accuracy() -> str:
+    """The defaults on the bundled sample: accuracy over seeds, and the time of a run."""
+    s = load("sample.json")
+    accuracies = [100 * run["test_accuracy"] for run in s["runs"]]
+    seeds = [run["seed"] for run in s["runs"]]
+    return (f"{min(accuracies):.1f}-{max(accuracies):.1f} % (seeds {seeds[0]}-{seeds[-1]}, {s['epochs']} epochs, "
+            f"{statistics.median(run['wall_s'] for run in s['runs']):.0f} s a run; {source(s['machine'])})")
+
+
+def make_run_line() -> str:
+    """README, Try it: what `make run` gives."""
+    s = load("sample.json")
+    accuracies = [100 * run["test_accuracy"] for run in s["runs"]]
+    wall = statistics.median(run["wall_s"] for run in s["runs"])
+    return ("\n```sh\n"
+            f"make run     # creates .venv if missing, trains one process on the bundled MNIST sample "
+            f"(~{min(accuracies):.0f} %, ~{wall:.0f} s once .venv exists)\n"
+            "make test    # as root: installs what the tests need into .venv, runs ruff and the whole test suite\n"
+            "```\n")
+
+
+def sweep_summary() -> str:
+    """docs/sweeps.md: `sweep.py summary` of the README's sweep."""
+    s = load("sweep.json")
+    return ("\n```\n$ python sweep.py summary runs/lr-bs\n" + (FIGURES / "sweep-summary.txt").read_text() + "```\n\n"
+            f"(The README's sweep, run with `python sweep.py run` on the bundled sample: "
+            f"`python benchmarks/figures.py sweep`; {source(s['machine'])}.)\n")
+
+
+def sweep_source() -> str:
+    return source(load("sweep.json")["machine"])
+
+
+def hparams_columns() -> str:
+    s = load("sweep.json")
+    return f"{s['hparams_declared']} options"
+
+
+def tensorboard_output() -> str:
+    """README, Watching training: what tensorboard.sh prints before TensorBoard starts."""
+    text = (FIGURES / "tensorboard-sh.txt").read_text()
+    return f"\n```\n{text}```\n"
+
+
+def test_times() -> str:
+    """README, Tests: the suite's size and time."""
+    t = load("tests.json")
+    return (f"`make test` runs everything on CPU with no network ({t['tests']} tests in {t['seconds'] / 60:.0f} minutes; "
+            f"{source(t['machine'])}); `python -m pytest -m \"not slurm\"` leaves out the tests that start a local Slurm, "
+            f"network namespaces or sshd (marked `slurm` in `tests/conftest.py`; {t['not_slurm_tests']} tests, about "
+            f"{t['not_slurm_seconds'] / 60:.0f} minutes of that).")
+
+
+BLOCKS = {"benchmark-summary": benchmark_summary, "benchmark-table": benchmark_table, "ranks-table": ranks_table,
+          "startup-line": startup_line, "sample-accuracy": sample_accuracy, "make-run": make_run_line,
+          "sweep-summary": sweep_summary, "sweep-source": sweep_source, "hparams-columns": hparams_columns,
+          "tensorboard-output": tensorboard_output, "test-times": test_times}
+
+
+def rewritten(text: str, page: Path) -> str:
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in BLOCKS:
+            raise SystemExit(f"figures.py: {page.relative_to(ROOT)}: no figure block is called {name!r}; "
+                             f"the blocks: {', '.join(BLOCKS)}")
+        figure = BLOCKS[name]()
+        if match.start() == 0 or text[match.start() - 1] == "\n":  # a block of its own (Markdown reads the
+            figure = "\n" + figure.strip("\n") + "\n"            # marker's line as HTML)
+        return f"<!-- figures: {name} -->{figure}<!-- /figures -->"
+    return BLOCK.sub(fill, text)
+
+
+def check() -> int:
+    stale = []
+    for page in PAGES:
+        text = page.read_text()
+        new = rewritten(text, page)
+        if new != text:
+            names = [m.group(1) for m, n in zip(BLOCK.finditer(text), BLOCK.finditer(new), strict=True) if m.group(0) != n.group(0)]
+            stale.append(f"{page.relative_to(ROOT)}: {', '.join(names)}")
+    for line in stale:
+        print(f"figures.py: {line} disagree with docs/figures/; run: python benchmarks/figures.py write")
+    return 1 if stale else 0
+
+
+def write(bench_out: Path | None) -> int:
+    if bench_out:
+        taken = [name for name in ("bench.json", "ranks.json") if (bench_out / name).exists()]
+        if not taken:
+            raise SystemExit(f"figures.py: {bench_out} holds neither bench.json nor ranks.json; run benchmarks/bench.py first")
+        for name in taken:
+            shutil.copy(bench_out / name, FIGURES / name)
+            print(f"took {bench_out / name}")
+    for page in PAGES:
+        text = page.read_text()
+        new = rewritten(text, page)
+        if new != text:
+            page.write_text(new)
+            print(f"wrote {page.relative_to(ROOT)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the measurements
+
+def machine() -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench import machine as bench_machine
+    return bench_machine()
+
+
+def measure_sample(seeds: list[int]) -> int:
+    """mnist_ddp.py's defaults on the bundled sample, one process each, one seed after another."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            run_dir = Path(tmp) / f"seed{seed}"
+            started = time.perf_counter()
+            subprocess.run([sys.executable, str(ROOT / "mnist_ddp.py"), "--seed", str(seed), "--run-dir", str(run_dir),
+                            "--image-every", "0"], check=True, stdout=subprocess.DEVNULL)
+            wall = time.perf_counter() - started
+            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            runs.append({"seed": seed, "test_accuracy": last["test_accuracy"], "wall_s": round(wall, 1)})
+            print(f"seed {seed}: {100 * last['test_accuracy']:.2f} % in {wall:.1f} s", flush=True)
+    (FIGURES / "sample.json").write_text(json.dumps({"machine": machine(), "epochs": last["epoch"], "runs": runs}, indent=2) + "\n")
+    return 0
+
+
+def summarise_tests(junit: Path) -> int:
+    """The suite's size and time from pytest's JUnit XML."""
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    cases = suite.findall("testcase")
+    bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    if bad:
+        raise SystemExit(f"figures.py: {len(bad)} tests failed in {junit}; the figures come from a run that passed")
+    module = lambda case: next((part for part in case.get("classname", "").split(".") if part.startswith("test_")), "")
+    quick = [c for c in cases if module(c) not in SLURM_MODULES]
+    (FIGURES / "tests.json").write_text(json.dumps({
+        "machine": machine(), "tests": len(cases), "seconds": round(float(suite.get("time")), 1),
+        "not_slurm_tests": len(quick), "not_slurm_seconds": round(sum(float(c.get("time", 0)) for c in quick), 1)},
+        indent=2) + "\n")
+    print(f"wrote {(FIGURES / 'tests.json').relative_to(ROOT)}")
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"figures.py: TensorBoard did not listen on port {port} within {timeout:.0f} s")
+
+
+def screenshot(url: str, path: Path, size: str) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if not chromium:
+        raise SystemExit("figures.py: no chromium on the PATH; install it (Debian: apt-get install chromium)")
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--user-data-dir={profile}", f"--window-size={size}", "--virtual-time-budget=15000",
+                        f"--screenshot={path}", url], check=True, capture_output=True, timeout=120)
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def photograph_sweep() -> int:
+    """The README's sweep on the bundled sample with `sweep.py run`, its summary, and the
+    real tensorboard.sh on it, photographed by headless Chromium."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        env = {**os.environ, "LOG_DIR": str(work / "runs")}
+        (work / "sweeps").mkdir()
+        grid = subprocess.run([sys.executable, str(ROOT / "sweep.py"), "grid", "--lr", "3e-3", "1e-3", "--batch-size",
+                               "64", "128", "--epochs", "4"], check=True, capture_output=True, text=True).stdout
+        (work / "sweeps" / "lr-bs.txt").write_text(grid)
+        subprocess.run([sys.executable, str(ROOT / "sweep.py"), "run", "sweeps/lr-bs.txt"], cwd=work, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        summary = subprocess.run([sys.executable, str(ROOT / "sweep.py"), "summary", "runs/lr-bs"], cwd=work, env=env,
+                                 check=True, capture_output=True, text=True).stdout
+        (FIGURES / "sweep-summary.txt").write_text(summary)
+        declared = EventAccumulator(str(next((work / "runs" / "lr-bs").glob("*.hparams"))))
+        declared.Reload()
+        experiment = metadata.parse_experiment_plugin_data(
+            declared.SummaryMetadata(metadata.EXPERIMENT_TAG).plugin_data.content)
+        (FIGURES / "sweep.json").write_text(json.dumps({"machine": machine(), "hparams_declared": len(experiment.hparam_infos)},
+                                                       indent=2) + "\n")
+
+        port = free_port()
+        board = subprocess.Popen([str(ROOT / "tensorboard.sh"), "--logdir", "runs/lr-bs", "--port", str(port)], cwd=work,
+                                 env={**env, "LOGIN_HOST": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+        try:
+            printed = []
+            for line in board.stdout:
+                printed.append(line)
+                if line.startswith("TensorBoard on "):
+                    break
+            wait_for_http(port, 60)
+            time.sleep(3)  # its first reload of the runs
+            user, node = os.environ.get("USER") or subprocess.run(["id", "-un"], capture_output=True, text=True).stdout.strip(), \
+                subprocess.run(["hostname", "-f"], capture_output=True, text=True).stdout.strip()
+            shown = "".join(printed).replace(str(port), "6006").replace(f"@{node}", f"@{EXAMPLE_HOST}").replace(
+                f"{user}@", f"{EXAMPLE_USER}@").replace(str(work) + "/", "")
+            (FIGURES / "tensorboard-sh.txt").write_text(shown)
+            for tab, view, size in (("scalars", "scalars&_smoothingWeight=0&tagFilter=(test%7Ctrain)%2F(accuracy%7Closs)", "1400,760"),
+                                    ("images", "images&tagFilter=confusion%7Cpredictions", "1400,1100"),
+                                    ("hparams", "hparams", "1900,600")):
+                screenshot(f"http://127.0.0.1:{port}/#{view}", ROOT / "docs" / f"tensorboard-{tab}.png", size)
+        finally:
+            os.killpg(board.pid, signal.SIGTERM)
+            board.wait(30)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("command", nargs="?", default="check", choices=("check", "write", "sample", "sweep", "tests"))
+    parser.add_argument("junit", nargs="?", type=Path, help="tests: pytest's --junitxml file")
+    parser.add_argument("--bench-out", type=Path, help="write: take bench.json and ranks.json from this directory first")
+    args = parser.parse_args()
+    if args.command == "check":
+        return check()
+    if args.command == "write":
+        return write(args.bench_out)
+    if args.command == "sample":
+        return measure_sample([0, 1, 2])
+    if args.command == "sweep":
+        return photograph_sweep()
+    if args.junit is None:
+        parser.error("tests needs the JUnit XML file: pytest tests --junitxml=FILE")
+    return summarise_tests(args.junit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
