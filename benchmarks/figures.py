@@ -5,7 +5,7 @@
     python benchmarks/figures.py write              # rewrite every figure block from the files
     python benchmarks/bench.py && python benchmarks/bench.py --ranks && \\
         python benchmarks/figures.py write --bench-out bench-out   # take a new benchmark's files first
-    python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (about a minute)
+    python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (under a minute)
     python benchmarks/figures.py sweep              # the README's sweep, its summary and the screenshots
     python benchmarks/figures.py tests JUNIT.xml    # the suite's size and time, from pytest --junitxml
 
