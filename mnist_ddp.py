@@ -21,11 +21,12 @@ What it does
 
 What it reaches (measured on 2 CPU cores; docs/benchmark.md has the table and machine)
   * bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 96.9-97.0 % test
-    accuracy (seeds 0-2) in ~12 s on 2 CPU cores;
+    accuracy (seeds 0-2) in ~5 s on 2 CPU cores;
   * full Fashion-MNIST, defaults: 90.4 % after 2 epochs, 92.4 % after 8 (evaluated with
-    the --ema average of the weights); 18.6x sooner to 90 % than the usual DataLoader +
-    ToTensor example loop, from process start (9.9 s against 183.7 s on 2 AMD EPYC
-    cores), and the same accuracy from 1, 2, 4 or 8 ranks (the global batch is split).
+    the --ema average of the weights); 16.6x sooner to 90 % than the usual DataLoader +
+    ToTensor example loop, from process start (12.9 s against 214.1 s on 2 AMD EPYC
+    cores, 2026-11-24), and the same accuracy from 1, 2, 4 or 8 ranks (the global batch
+    is split).
 
 How to launch
   python mnist_ddp.py                                    # one process, bundled sample

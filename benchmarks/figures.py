@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"<!-- figures: (\S+) -->(.*?)<!-- /figures -->", re.S)
+BLOCK = re.compile(r"<!-- figures: (\S+) -->((?:(?!<!-- figures:).)*?)<!-- /figures -->", re.S)  # (none inside another)
 SLURM_MODULES = ("test_slurm", "test_tunnel")  # as tests/conftest.py marks them
 EXAMPLE_USER, EXAMPLE_HOST = "alice", "login1.cluster.example"  # the README's, for this machine's
 
@@ -87,7 +87,8 @@ def benchmark_table() -> str:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench import markdown
     b = load("bench.json")
-    return f"\nLatest run (`python benchmarks/bench.py`, {b['machine']['date']}). {markdown(b)}"
+    table = markdown(b).replace(f"Data: {b['dataset']}.", f"Data: {data_words(b['dataset'])}.", 1)
+    return f"\nLatest run (`python benchmarks/bench.py`, {b['machine']['date']}). {table}"
 
 
 def ranks_table() -> str:
@@ -180,6 +181,9 @@ def rewritten(text: str, page: Path) -> str:
         if match.start() == 0 or text[match.start() - 1] == "\n":  # a block of its own (Markdown reads the
             figure = "\n" + figure.strip("\n") + "\n"            # marker's line as HTML)
         return f"<!-- figures: {name} -->{figure}<!-- /figures -->"
+    if text.count("<!-- figures:") != len(BLOCK.findall(text)):
+        raise SystemExit(f"figures.py: {page.relative_to(ROOT)}: a `<!-- figures: NAME -->` has no `<!-- /figures -->` "
+                         "before the next block; close it")
     return BLOCK.sub(fill, text)
 
 
@@ -192,7 +196,7 @@ def check() -> int:
             names = [m.group(1) for m, n in zip(BLOCK.finditer(text), BLOCK.finditer(new), strict=True) if m.group(0) != n.group(0)]
             stale.append(f"{page.relative_to(ROOT)}: {', '.join(names)}")
     for line in stale:
-        print(f"figures.py: {line} disagree with docs/figures/; run: python benchmarks/figures.py write")
+        print(f"figures.py: {line} differ from docs/figures/; run: python benchmarks/figures.py write")
     return 1 if stale else 0
 
 
@@ -201,6 +205,11 @@ def write(bench_out: Path | None) -> int:
         taken = [name for name in ("bench.json", "ranks.json") if (bench_out / name).exists()]
         if not taken:
             raise SystemExit(f"figures.py: {bench_out} holds neither bench.json nor ranks.json; run benchmarks/bench.py first")
+        for name in taken:  # refused before anything is copied
+            run = json.loads((bench_out / name).read_text())
+            if run.get("quick") or (name == "bench.json" and not {"reference", "default"} <= run.keys()):
+                raise SystemExit(f"figures.py: {bench_out / name} is from bench.py --quick or --gpu, not the figures of "
+                                 "the README; run benchmarks/bench.py (and --ranks) without them")
         for name in taken:
             shutil.copy(bench_out / name, FIGURES / name)
             print(f"took {bench_out / name}")
@@ -228,8 +237,8 @@ def measure_sample(seeds: list[int]) -> int:
         for seed in seeds:
             run_dir = Path(tmp) / f"seed{seed}"
             started = time.perf_counter()
-            subprocess.run([sys.executable, str(ROOT / "mnist_ddp.py"), "--seed", str(seed), "--run-dir", str(run_dir),
-                            "--image-every", "0"], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, str(ROOT / "mnist_ddp.py"), "--seed", str(seed), "--run-dir", str(run_dir)],
+                           check=True, stdout=subprocess.DEVNULL)
             wall = time.perf_counter() - started
             last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
             runs.append({"seed": seed, "test_accuracy": last["test_accuracy"], "wall_s": round(wall, 1)})

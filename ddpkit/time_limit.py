@@ -14,6 +14,7 @@ Standard library only, like launch.py."""
 
 import datetime
 import math
+import os
 import re
 import subprocess
 import time
@@ -54,10 +55,14 @@ def times_from_job_info(info: str) -> JobTimes | None:
     start, end = slurm_time(fields.get("StartTime", "")), slurm_time(fields.get("EndTime", ""))
     if start is None or end is None or fields.get("TimeLimit") in ("UNLIMITED", "Partition_Limit") or end <= start:
         return None
-    requeue = {"1": True, "0": False}.get(fields.get("Requeue", ""))
+    return JobTimes(start, end, requeue_of(fields))
+
+
+def requeue_of(fields: Mapping[str, str]) -> bool | None:
+    """Whether the job's scontrol fields say it may be requeued (None: they do not say)."""
     if fields.get("BatchFlag") == "0":  # an interactive allocation (salloc) is never requeued
-        requeue = False
-    return JobTimes(start, end, requeue)
+        return False
+    return {"1": True, "0": False}.get(fields.get("Requeue", ""))
 
 
 def unix_times(text: str) -> tuple[float, float] | None:
@@ -77,19 +82,18 @@ def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subproce
     if not info and not given:
         try:
             result = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         timeout=SCONTROL_TIMEOUT)
+                         timeout=SCONTROL_TIMEOUT, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
         except (OSError, subprocess.SubprocessError):
             return None
         info = result.stdout if result.returncode == 0 else ""
-    line = times_from_job_info(info.splitlines()[0] if info.strip() else "")
-    if info.strip() and line is None:  # the line says: no time limit
+    text = info.splitlines()[0] if info.strip() else ""
+    fields = dict(re.findall(r"(\w+)=(\S*)", text))
+    if fields.get("TimeLimit") == "UNLIMITED":
         return None
-    if given:
+    if given:  # (Unix seconds: they win over the line's times, which a site's SLURM_TIME_FORMAT may change)
         start, end = given
-        if not start < end < start + NO_LIMIT:
-            return None
-        return JobTimes(start, end, line.requeue if line else None)
-    return line
+        return JobTimes(start, end, requeue_of(fields)) if start < end < start + NO_LIMIT else None
+    return times_from_job_info(text)
 
 
 def duration(seconds: float) -> str:

@@ -51,8 +51,8 @@ def test_a_page_that_disagrees_with_its_files_fails_the_check_until_written(tmp_
     stale = figures(root=copy)
     assert stale.returncode == 1
     assert stale.stdout.splitlines() == [
-        "figures.py: README.md: benchmark-summary disagree with docs/figures/; run: python benchmarks/figures.py write",
-        "figures.py: docs/benchmark.md: benchmark-table disagree with docs/figures/; run: python benchmarks/figures.py write"]
+        "figures.py: README.md: benchmark-summary differ from docs/figures/; run: python benchmarks/figures.py write",
+        "figures.py: docs/benchmark.md: benchmark-table differ from docs/figures/; run: python benchmarks/figures.py write"]
 
     assert figures("write", root=copy).returncode == 0
     assert "4321.0 s from process start" in (copy / "README.md").read_text()
@@ -62,13 +62,38 @@ def test_a_page_that_disagrees_with_its_files_fails_the_check_until_written(tmp_
     assert strip((copy / "README.md").read_text()) == strip((ROOT / "README.md").read_text())
 
 
-def test_a_block_of_no_known_name_is_refused_in_one_line(tmp_path):
+def copy_of_project(tmp_path: Path) -> Path:
     copy = tmp_path / "project"
     (copy / "benchmarks").mkdir(parents=True)
     shutil.copytree(ROOT / "docs", copy / "docs")
-    shutil.copy(ROOT / "benchmarks" / "figures.py", copy / "benchmarks")
+    for name in ("bench.py", "figures.py"):
+        shutil.copy(ROOT / "benchmarks" / name, copy / "benchmarks")
+    return copy
+
+
+def test_a_block_of_no_known_name_or_without_its_end_is_refused_in_one_line(tmp_path):
+    copy = copy_of_project(tmp_path)
     (copy / "README.md").write_text("Speed: <!-- figures: speed -->fast<!-- /figures -->\n")
     result = figures(root=copy)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(
         "figures.py: README.md: no figure block is called 'speed'; the blocks: ")
+    # An unclosed block would swallow the text up to the next block's end: refused instead.
+    text = "A <!-- figures: sweep-source -->x\n\nprose to keep\n\nB <!-- figures: sweep-source -->y<!-- /figures -->\n"
+    (copy / "README.md").write_text(text)
+    for command in ("check", "write"):
+        result = figures(command, root=copy)
+        assert result.returncode == 1 and "has no `<!-- /figures -->` before the next block" in result.stderr
+    assert (copy / "README.md").read_text() == text
+
+
+def test_a_quick_benchmark_is_not_taken_for_the_figures(tmp_path):
+    copy = copy_of_project(tmp_path)
+    shutil.copy(ROOT / "README.md", copy)
+    out = tmp_path / "bench-out"
+    out.mkdir()
+    (out / "bench.json").write_text(json.dumps({**json.loads((ROOT / "docs/figures/bench.json").read_text()), "quick": True}))
+    before = (copy / "docs/figures/bench.json").read_text()
+    result = figures("write", "--bench-out", str(out), root=copy)
+    assert result.returncode == 1 and "is from bench.py --quick or --gpu" in result.stderr
+    assert (copy / "docs/figures/bench.json").read_text() == before

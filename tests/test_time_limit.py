@@ -10,6 +10,7 @@ test_a_job_without_signal_requeues_itself_before_its_time_limit.
 
 import datetime
 import math
+import os
 import subprocess
 
 from ddpkit.time_limit import JobTimes, TimeLimit, duration, read_job_times, slurm_duration, times_from_job_info
@@ -28,6 +29,11 @@ def test_the_times_of_a_scontrol_line():
     assert times_from_job_info(INFO.replace("Requeue=1", "Requeue=0")).requeue is False
     # salloc: an interactive allocation, which Slurm never requeues
     assert times_from_job_info(INFO.replace("BatchFlag=1", "BatchFlag=0")).requeue is False
+    # A site's SLURM_TIME_FORMAT gives the line times of another form: the Unix times still count.
+    other_form = INFO.replace("StartTime=", "StartTime=x").replace("EndTime=", "EndTime=x")
+    assert read_job_times({"MNIST_DDP_JOB_INFO": other_form, "MNIST_DDP_JOB_TIMES": "2000 2120"}, "7") == (
+        JobTimes(2000.0, 2120.0, requeue=True))
+    assert read_job_times({"MNIST_DDP_JOB_INFO": other_form}, "7") is None
     unlimited = INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED").replace("EndTime=2026-11-24T13:17:52", "EndTime=Unknown")
     assert times_from_job_info(unlimited) is None
     assert times_from_job_info("") is None
@@ -47,6 +53,11 @@ def test_where_the_times_come_from(monkeypatch):
     assert read_job_times(env, "") is None
     a_year = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": str(1000 + 365 * 24 * 3600)}
     assert read_job_times(a_year, "7") is None  # what Slurm gives a job without a time limit
+    # A site's SLURM_TIME_FORMAT gives the line times of another form: the Unix times still count.
+    other_form = INFO.replace("StartTime=", "StartTime=x").replace("EndTime=", "EndTime=x")
+    assert read_job_times({"MNIST_DDP_JOB_INFO": other_form, "MNIST_DDP_JOB_TIMES": "2000 2120"}, "7") == (
+        JobTimes(2000.0, 2120.0, requeue=True))
+    assert read_job_times({"MNIST_DDP_JOB_INFO": other_form}, "7") is None
     unlimited = INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED")
     assert read_job_times({"MNIST_DDP_JOB_INFO": unlimited, "MNIST_DDP_JOB_TIMES": "2000 2120"}, "7") is None
     # No scontrol on the PATH (a container): no time limit known, no crash.
@@ -152,7 +163,8 @@ def test_scontrol_is_asked_once_and_only_when_nothing_else_says():
         return run
 
     assert read_job_times({}, "7", run=scontrol(0)) == JobTimes(START, START + 120, requeue=True)
-    assert calls == [(["scontrol", "show", "job", "-o", "7"], {"capture_output": True, "text": True, "timeout": 10.0})]
+    assert calls == [(["scontrol", "show", "job", "-o", "7"], {"capture_output": True, "text": True, "timeout": 10.0,
+                                                               "env": {**os.environ, "SLURM_TIME_FORMAT": "standard"}})]
     assert read_job_times({}, "7", run=scontrol(1)) is None  # (an unknown job: what it printed is no job line)
     calls.clear()
     given = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}
