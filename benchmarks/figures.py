@@ -35,6 +35,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from bench import machine, markdown  # (this script's own directory comes first on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -84,8 +86,6 @@ def benchmark_summary() -> str:
 
 def benchmark_table() -> str:
     """docs/benchmark.md: the whole table of bench.json, as bench.py writes it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench import markdown
     b = load("bench.json")
     table = markdown(b).replace(f"Data: {b['dataset']}.", f"Data: {data_words(b['dataset'])}.", 1)
     return f"\nLatest run (`python benchmarks/bench.py`, {b['machine']['date']}). {table}"
@@ -112,20 +112,23 @@ def startup_line() -> str:
             f"{data_words(b['dataset'])}; {source(b['machine'])})")
 
 
+def sample_runs() -> tuple[dict, list[float], float]:
+    """sample.json, its runs' test accuracies (%), and the median run's wall time."""
+    s = load("sample.json")
+    return s, [100 * run["test_accuracy"] for run in s["runs"]], statistics.median(run["wall_s"] for run in s["runs"])
+
+
 def sample_accuracy() -> str:
     """The defaults on the bundled sample: accuracy over seeds, and the time of a run."""
-    s = load("sample.json")
-    accuracies = [100 * run["test_accuracy"] for run in s["runs"]]
+    s, accuracies, wall = sample_runs()
     seeds = [run["seed"] for run in s["runs"]]
     return (f"{min(accuracies):.1f}-{max(accuracies):.1f} % (seeds {seeds[0]}-{seeds[-1]}, {s['epochs']} epochs, "
-            f"{statistics.median(run['wall_s'] for run in s['runs']):.0f} s a run; {source(s['machine'])})")
+            f"{wall:.0f} s a run; {source(s['machine'])})")
 
 
 def make_run_line() -> str:
     """README, Try it: what `make run` gives."""
-    s = load("sample.json")
-    accuracies = [100 * run["test_accuracy"] for run in s["runs"]]
-    wall = statistics.median(run["wall_s"] for run in s["runs"])
+    _, accuracies, wall = sample_runs()
     return ("\n```sh\n"
             f"make run     # creates .venv if missing, trains one process on the bundled MNIST sample "
             f"(~{min(accuracies):.0f} %, ~{wall:.0f} s once .venv exists)\n"
@@ -223,12 +226,6 @@ def write(bench_out: Path | None) -> int:
 
 
 # ----------------------------------------------------------------------------- the measurements
-
-def machine() -> dict:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench import machine as bench_machine
-    return bench_machine()
-
 
 def measure_sample(seeds: list[int]) -> int:
     """mnist_ddp.py's defaults on the bundled sample, one process each, one seed after another."""

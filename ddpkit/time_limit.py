@@ -49,9 +49,14 @@ def slurm_time(text: str) -> float | None:
         return None
 
 
+def job_fields(info: str) -> dict[str, str]:
+    """The KEY=VALUE fields of one `scontrol show job -o` line."""
+    return dict(re.findall(r"(\w+)=(\S*)", info))
+
+
 def times_from_job_info(info: str) -> JobTimes | None:
     """The times in one `scontrol show job -o` line; None for a job without a time limit."""
-    fields = dict(re.findall(r"(\w+)=(\S*)", info))
+    fields = job_fields(info)
     start, end = slurm_time(fields.get("StartTime", "")), slurm_time(fields.get("EndTime", ""))
     if start is None or end is None or fields.get("TimeLimit") in ("UNLIMITED", "Partition_Limit") or end <= start:
         return None
@@ -87,7 +92,7 @@ def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subproce
             return None
         info = result.stdout if result.returncode == 0 else ""
     text = info.splitlines()[0] if info.strip() else ""
-    fields = dict(re.findall(r"(\w+)=(\S*)", text))
+    fields = job_fields(text)
     if fields.get("TimeLimit") == "UNLIMITED":
         return None
     if given:  # (Unix seconds: they win over the line's times, which a site's SLURM_TIME_FORMAT may change)
