@@ -92,13 +92,13 @@ def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subproce
             return None
         info = result.stdout if result.returncode == 0 else ""
     text = info.splitlines()[0] if info.strip() else ""
-    fields = job_fields(text)
-    if fields.get("TimeLimit") == "UNLIMITED":
+    if not given:
+        return times_from_job_info(text)
+    # Unix seconds win over the line's times, which a site's SLURM_TIME_FORMAT may change.
+    fields, (start, end) = job_fields(text), given
+    if fields.get("TimeLimit") == "UNLIMITED" or not start < end < start + NO_LIMIT:
         return None
-    if given:  # (Unix seconds: they win over the line's times, which a site's SLURM_TIME_FORMAT may change)
-        start, end = given
-        return JobTimes(start, end, requeue_of(fields)) if start < end < start + NO_LIMIT else None
-    return times_from_job_info(text)
+    return JobTimes(start, end, requeue_of(fields))
 
 
 def duration(seconds: float) -> str:

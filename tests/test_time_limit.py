@@ -29,13 +29,9 @@ def test_the_times_of_a_scontrol_line():
     assert times_from_job_info(INFO.replace("Requeue=1", "Requeue=0")).requeue is False
     # salloc: an interactive allocation, which Slurm never requeues
     assert times_from_job_info(INFO.replace("BatchFlag=1", "BatchFlag=0")).requeue is False
-    # A site's SLURM_TIME_FORMAT gives the line times of another form: the Unix times still count.
-    other_form = INFO.replace("StartTime=", "StartTime=x").replace("EndTime=", "EndTime=x")
-    assert read_job_times({"MNIST_DDP_JOB_INFO": other_form, "MNIST_DDP_JOB_TIMES": "2000 2120"}, "7") == (
-        JobTimes(2000.0, 2120.0, requeue=True))
-    assert read_job_times({"MNIST_DDP_JOB_INFO": other_form}, "7") is None
     unlimited = INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED").replace("EndTime=2026-11-24T13:17:52", "EndTime=Unknown")
     assert times_from_job_info(unlimited) is None
+    assert times_from_job_info(INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED")) is None  # (whatever its end)
     assert times_from_job_info("") is None
 
 
