@@ -537,11 +537,12 @@ def test_check_reports_every_rank_of_two_nodes_and_names_the_node_a_firewall_cut
         job_id, out = finish(client, tmp_path / "cut", code=4)
     finally:
         subprocess.run([*firewall, "-D", *rule], check=True, timeout=60)
-    failed = re.search(r"^0: check failed after (\d+) s: rank 1 \(on mtn2\) never joined the rendezvous at "
+    failed = re.search(r"^0: check failed after \d+ s: rank 1 \(on mtn2\) never joined the rendezvous at "
                        r"10\.231\.9\.11:23456 within 60 s; check that mtn2 reaches 10\.231\.9\.11:23456 over TCP "
                        r"\(a firewall between the nodes\?\), .* set GLOO_SOCKET_IFNAME to the interface", out, re.M)
+    # The verdict comes after the check's own wait of 60 s ("within 60 s"), not --dist-timeout's
+    # 300 s; the seconds it took are a figure (61 s; docs/benchmark.md), never asserted.
     assert failed, out[-3000:]
-    assert int(failed.group(1)) < 300  # the verdict comes well within --dist-timeout
     assert re.search(rf"^END .* job={job_id} exit=4 \(CHECK=1: nothing was trained\)$", out, re.M)
 
 
