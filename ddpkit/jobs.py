@@ -348,12 +348,18 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",
                         EXIT_BUG, who)
     finally:
-        record_exit(code, launch)  # first: after a failure, srun may end this process any moment now
+        # A rank's 0 says that all it wrote is on disk: run_training.sbatch then counts the
+        # run as done even if a rank dies of a signal in the teardown below. Any other code
+        # first: after a failure, srun may end this process any moment now.
+        if code != 0:
+            record_exit(code, launch)
         if job:
             with contextlib.suppress(OSError):  # a full disk: the one line above says so already
                 job.logger.close()
             if job.claim:
                 job.claim.release(code)
+        if code == 0:
+            record_exit(code, launch)
         teardown_distributed(together=code in (0, EXIT_STOPPED))
         stop.restore()
     return code
