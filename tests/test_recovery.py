@@ -351,7 +351,8 @@ exit $status
                              ["--epochs", "1", "--max-steps", "10"], RUN_NAME="aborted-late", PYTHON=str(wrapper))
     job_id, out = finish(client, tmp_path)
     assert re.search(r"^srun: error: \S+: task 1: Aborted", out, re.M), out[-3000:]
-    assert re.search(r"^every rank had finished and saved \(each recorded exit 0\) before srun's exit 134 ", out, re.M)
+    # 134: rank 1's abort; 143: srun ended rank 0 for it while rank 0 was still shutting down
+    assert re.search(r"^every rank had finished and saved \(each recorded exit 0\) before srun's exit 1(34|43) ", out, re.M)
     assert "ATTEMPT" not in out and "to continue from" not in out
     assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
     run_dir = tmp_path / "runs" / "aborted-late"
