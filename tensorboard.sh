@@ -6,7 +6,21 @@
 #SBATCH --time=04:00:00                 # scancel JOBID stops it sooner
 #SBATCH --output=tensorboard-%j.out     # the tunnel command and URL are at its top
 #
-# tensorboard.sh: TensorBoard on the runs of mnist_ddp.py, reloading every second, bound to
+# Usage: tensorboard.sh [--logdir DIR] [--port N] [--bind-all] [-- extra tensorboard options]
+#   --logdir DIR   directory holding the run directories     [LOG_DIR, else ./runs]
+#   --port N       port to try first, 1024-65535; if taken, the next free one is used
+#                  [PORT, else 6006; in a Slurm job, random]
+#                  random: a random port from 20000-29999, harder for others on the node to guess
+#   --bind-all     listen on every interface: anyone who can reach this node sees your runs
+#   -h, --help     this text
+# Variables:
+#   LOG_DIR        as --logdir
+#   PORT           as --port
+#   VENV           virtual environment to activate, when tensorboard is not on the PATH
+#                  [./.venv, else the .venv beside this file, found from any directory]
+#   LOGIN_HOST     login node for the tunnel command on compute nodes  [SLURM_SUBMIT_HOST]
+#
+# TensorBoard on the runs of mnist_ddp.py, reloading every second, bound to
 # 127.0.0.1, which you reach through an SSH tunnel. That keeps it off the network, not
 # private: TensorBoard has no password, and anyone logged in to the same machine can open
 # 127.0.0.1:PORT too. On a shared login node, prefer running it on a compute node inside a
@@ -18,26 +32,12 @@
 # (through the login node you submitted from, or LOGIN_HOST) and the URL at the top of
 # its output file. scancel or the time limit stop it.
 #
-# Usage: tensorboard.sh [--logdir DIR] [--port N] [--bind-all] [-- extra tensorboard options]
-#   --logdir DIR   directory holding the run directories     [LOG_DIR, else ./runs]
-#   --port N       port to try first, 1024-65535; if taken, the next free one is used
-#                  [PORT, else 6006]
-#                  random: a random port from 20000-29999, harder for others on the node to guess
-#   --bind-all     listen on every interface: anyone who can reach this node sees your runs
-#   -h, --help     this text
-# Variables:
-#   LOG_DIR        as --logdir
-#   PORT           as --port
-#   VENV           virtual environment to activate, when tensorboard is not on the PATH
-#                  [./.venv, else the .venv beside this file, found from any directory]
-#   LOGIN_HOST     login node for the tunnel command on compute nodes  [SLURM_SUBMIT_HOST]
-#
 # It prints the ssh command to run on your own computer, then the URL to open there.
 set -euo pipefail
 
 die() { echo "tensorboard.sh: $*" >&2; exit 2; }
 quoted() { local line; printf -v line '%q ' "$@"; echo "${line% }"; }  # a command line to paste
-usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+usage() { sed -n '/^# Usage:/,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }  # (not the #SBATCH lines)
 
 logdir=${LOG_DIR:-runs}
 port=${PORT:-6006}

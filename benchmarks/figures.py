@@ -10,8 +10,10 @@
     python benchmarks/figures.py tests JUNIT.xml    # the suite's size and time, from pytest --junitxml
 
 A figure block in a page sits between `<!-- figures: NAME -->` and `<!-- /figures -->`;
-BLOCKS below says what writes each one, and every block names the machine and the date
-its file came from. The output files (docs/figures/):
+BLOCKS below says what writes each one, and every block of measured figures names the
+machine and the date its file came from. mnist_ddp.py's manual (its docstring, which
+--help prints) has no markers: its "What it reaches" section is written whole, by
+manual_figures(). The output files (docs/figures/):
   bench.json, ranks.json   benchmarks/bench.py and bench.py --ranks (copied from bench-out/)
   sample.json              `sample`: mnist_ddp.py's defaults on the bundled sample, seeds 0-2
   sweep.json, sweep-summary.txt, tensorboard-sh.txt, and docs/tensorboard-*.png
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -40,8 +43,10 @@ from bench import machine, markdown  # (this script's own directory comes first 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MANUAL = ROOT / "mnist_ddp.py"
+# The manual's section of measured figures: its heading line up to the blank line after it.
+MANUAL_FIGURES = re.compile(r"^What it reaches\b.*?(?=\n\n)", re.S | re.M)
 BLOCK = re.compile(r"<!-- figures: (\S+) -->((?:(?!<!-- figures:).)*?)<!-- /figures -->", re.S)  # (none inside another)
-SLURM_MODULES = ("test_slurm", "test_tunnel")  # as tests/conftest.py marks them
 EXAMPLE_USER, EXAMPLE_HOST = "alice", "login1.cluster.example"  # the README's, for this machine's
 
 
@@ -112,6 +117,20 @@ def startup_line() -> str:
             f"{data_words(b['dataset'])}; {source(b['machine'])})")
 
 
+def speed_ratio() -> str:
+    """docs/defaults.md: the benchmark's training images/s, the defaults over the reference loop."""
+    b = load("bench.json")
+    return f"{b['speed_ratio']:.1f}x ({source(b['machine'])})"
+
+
+def defaults_accuracy() -> str:
+    """docs/defaults.md, a row of the table of what was tried: the benchmark's run of the defaults."""
+    b = load("bench.json")
+    by_epoch = {e["epoch"]: 100 * e["test_accuracy"] for e in b["default"]["epochs"]}
+    return (f"`python benchmarks/bench.py`'s run, {source(b['machine'])}) | {by_epoch[2]:.2f} % | "
+            f"{by_epoch[max(by_epoch)]:.2f} %")
+
+
 def sample_runs() -> tuple[dict, list[float], float]:
     """sample.json, its runs' test accuracies (%), and the median run's wall time."""
     s = load("sample.json")
@@ -128,10 +147,10 @@ def sample_accuracy() -> str:
 
 def make_run_line() -> str:
     """README, Try it: what `make run` gives."""
-    _, accuracies, wall = sample_runs()
+    s, accuracies, wall = sample_runs()
     return ("\n```sh\n"
-            f"make run     # creates .venv if missing, trains one process on the bundled MNIST sample "
-            f"(~{min(accuracies):.0f} %, ~{wall:.0f} s once .venv exists)\n"
+            "make run     # creates .venv if missing, trains one process on the bundled MNIST sample\n"
+            f"             # (~{min(accuracies):.0f} %, ~{wall:.0f} s once .venv exists; {source(s['machine'])})\n"
             "make test    # as root: installs what the tests need into .venv, runs ruff and the whole test suite\n"
             "```\n")
 
@@ -160,18 +179,48 @@ def tensorboard_output() -> str:
 
 
 def test_times() -> str:
-    """README, Tests: the suite's size and time."""
+    """README, Tests: the suite's size and time (the fast part's only when the file has it)."""
     t = load("tests.json")
+    fast = (f"; {t['not_slurm_tests']} tests, about {t['not_slurm_seconds'] / 60:.0f} minutes of that"
+            if "not_slurm_tests" in t else "")
     return (f"`make test` runs everything on CPU with no network ({t['tests']} tests in {t['seconds'] / 60:.0f} minutes; "
             f"{source(t['machine'])}); `python -m pytest -m \"not slurm\"` leaves out the tests that start a local Slurm, "
-            f"network namespaces or sshd (marked `slurm` in `tests/conftest.py`; {t['not_slurm_tests']} tests, about "
-            f"{t['not_slurm_seconds'] / 60:.0f} minutes of that).")
+            f"network namespaces or sshd (marked `slurm` in `tests/conftest.py`{fast}).")
+
+
+def manual_figures() -> str:
+    """mnist_ddp.py's docstring (its --help), "What it reaches": each figure with its machine and date."""
+    s, accuracies, wall = sample_runs()
+    b, r = load("bench.json"), load("ranks.json")
+    ours, ref = b["default"], b["reference"]
+    by_epoch = {e["epoch"]: 100 * e["test_accuracy"] for e in ours["epochs"]}
+    last = max(by_epoch)
+    ranks = next(iter(r["accuracy"].values()))
+    counts = [int(n) for n in ranks]
+    sources = [source(s["machine"]), source(b["machine"]), source(r["machine"])]
+    shared = len(set(sources)) == 1  # then named once, under the heading
+    at = ["" if shared else f" ({where})" for where in sources]
+    bullets = [
+        f"the bundled 4,000-image MNIST sample, defaults ({s['epochs']} epochs, 1 process): "
+        f"{min(accuracies):.1f}-{max(accuracies):.1f} % test accuracy (seeds {s['runs'][0]['seed']}-{s['runs'][-1]['seed']}), "
+        f"~{wall:.0f} s a run{at[0]};",
+        f"{data_words(b['dataset'])}, defaults: {by_epoch[2]:.1f} % after 2 epochs, {by_epoch[last]:.1f} % after {last} "
+        f"(evaluated with the --ema average of the weights); it reaches {100 * b['target_accuracy']:.0f} % "
+        f"{b['time_ratio']:.1f}x sooner than the usual DataLoader + ToTensor example loop, from process start "
+        f"({ours['time_to_target_s']:.1f} s against {ref['time_to_target_s']:.1f} s){at[1]};",
+        f"{data_words(r['dataset'])}, 2 epochs: {100 * min(ranks.values()):.1f}-{100 * max(ranks.values()):.1f} % from "
+        f"{', '.join(map(str, counts[:-1]))} or {counts[-1]} ranks, the global batch split among them{at[2]}.",
+    ]
+    heading = ["What it reaches", textwrap.fill(f"measured{' on ' + sources[0] if shared else ''}; the method and every "
+                                                "figure: docs/benchmark.md", 88, initial_indent="  ", subsequent_indent="  ")]
+    return "\n".join(heading + [textwrap.fill(b, 88, initial_indent="  * ", subsequent_indent="    ") for b in bullets])
 
 
 BLOCKS = {"benchmark-summary": benchmark_summary, "benchmark-table": benchmark_table, "ranks-table": ranks_table,
           "startup-line": startup_line, "sample-accuracy": sample_accuracy, "make-run": make_run_line,
           "sweep-summary": sweep_summary, "sweep-source": sweep_source, "hparams-columns": hparams_columns,
-          "tensorboard-output": tensorboard_output, "test-times": test_times}
+          "tensorboard-output": tensorboard_output, "test-times": test_times, "speed-ratio": speed_ratio,
+          "defaults-accuracy": defaults_accuracy}
 
 
 def rewritten(text: str, page: Path) -> str:
@@ -190,8 +239,20 @@ def rewritten(text: str, page: Path) -> str:
     return BLOCK.sub(fill, text)
 
 
+def rewritten_manual() -> tuple[str, str]:
+    """mnist_ddp.py's text, and the same with its "What it reaches" section written from the files."""
+    text = MANUAL.read_text()
+    if len(MANUAL_FIGURES.findall(text)) != 1:
+        raise SystemExit(f"figures.py: {MANUAL.relative_to(ROOT)}: its docstring needs one section that starts with a "
+                         "line 'What it reaches' and ends at a blank line; put it back")
+    return text, MANUAL_FIGURES.sub(lambda _: manual_figures(), text)
+
+
 def check() -> int:
     stale = []
+    text, new = rewritten_manual()
+    if new != text:
+        stale.append(f"{MANUAL.relative_to(ROOT)}: What it reaches")
     for page in PAGES:
         text = page.read_text()
         new = rewritten(text, page)
@@ -216,6 +277,10 @@ def write(bench_out: Path | None) -> int:
         for name in taken:
             shutil.copy(bench_out / name, FIGURES / name)
             print(f"took {bench_out / name}")
+    text, new = rewritten_manual()
+    if new != text:
+        MANUAL.write_text(new)
+        print(f"wrote {MANUAL.relative_to(ROOT)}")
     for page in PAGES:
         text = page.read_text()
         new = rewritten(text, page)
@@ -244,6 +309,20 @@ def measure_sample(seeds: list[int]) -> int:
     return 0
 
 
+def not_slurm_tests(files: list[str]) -> set[tuple[str, str]]:
+    """The tests of these files that `pytest -m "not slurm"` runs, as JUnit's (classname, name):
+    tests/conftest.py's own marking decides, not a copy of its rule."""
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "-m", "not slurm", *files], cwd=ROOT, capture_output=True, text=True)
+    if collected.returncode not in (0, 5):  # 5: every test deselected
+        raise SystemExit(f"figures.py: pytest could not collect {' '.join(files)}:\n{collected.stdout}{collected.stderr}")
+    ids = set()
+    for node in (line for line in collected.stdout.splitlines() if "::" in line):
+        path, *classes, name = node.split("::")
+        ids.add((".".join([path.removesuffix(".py").replace("/", "."), *classes]), name))
+    return ids
+
+
 def summarise_tests(junit: Path) -> int:
     """The suite's size and time from pytest's JUnit XML."""
     suite = ET.parse(junit).getroot()
@@ -252,8 +331,10 @@ def summarise_tests(junit: Path) -> int:
     bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
     if bad:
         raise SystemExit(f"figures.py: {len(bad)} tests failed in {junit}; the figures come from a run that passed")
-    module = lambda case: next((part for part in case.get("classname", "").split(".") if part.startswith("test_")), "")
-    quick = [c for c in cases if module(c) not in SLURM_MODULES]
+    module_file = lambda case: "/".join(part for part in case.get("classname", "").split(".")
+                                        if not part[:1].isupper()) + ".py"  # (a class name is capitalised)
+    fast = not_slurm_tests(sorted({module_file(c) for c in cases}))
+    quick = [c for c in cases if (c.get("classname"), c.get("name")) in fast]
     (FIGURES / "tests.json").write_text(json.dumps({
         "machine": machine(), "tests": len(cases), "seconds": round(float(suite.get("time")), 1),
         "not_slurm_tests": len(quick), "not_slurm_seconds": round(sum(float(c.get("time", 0)) for c in quick), 1)},

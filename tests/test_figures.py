@@ -6,6 +6,7 @@ user would: on this checkout, and on a copy whose benchmark file changed.
     python -m pytest tests/test_figures.py
 """
 
+import ast
 import json
 import re
 import shutil
@@ -41,6 +42,7 @@ def test_a_page_that_disagrees_with_its_files_fails_the_check_until_written(tmp_
     copy = tmp_path / "project"
     (copy / "benchmarks").mkdir(parents=True)
     shutil.copy(ROOT / "README.md", copy)
+    shutil.copy(ROOT / "mnist_ddp.py", copy)  # its manual's figures
     shutil.copytree(ROOT / "docs", copy / "docs")
     for name in ("bench.py", "figures.py"):
         shutil.copy(ROOT / "benchmarks" / name, copy / "benchmarks")
@@ -51,6 +53,7 @@ def test_a_page_that_disagrees_with_its_files_fails_the_check_until_written(tmp_
     stale = figures(root=copy)
     assert stale.returncode == 1
     assert stale.stdout.splitlines() == [
+        "figures.py: mnist_ddp.py: What it reaches differ from docs/figures/; run: python benchmarks/figures.py write",
         "figures.py: README.md: benchmark-summary differ from docs/figures/; run: python benchmarks/figures.py write",
         "figures.py: docs/benchmark.md: benchmark-table differ from docs/figures/; run: python benchmarks/figures.py write"]
 
@@ -66,6 +69,7 @@ def copy_of_project(tmp_path: Path) -> Path:
     copy = tmp_path / "project"
     (copy / "benchmarks").mkdir(parents=True)
     shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copy(ROOT / "mnist_ddp.py", copy)
     for name in ("bench.py", "figures.py"):
         shutil.copy(ROOT / "benchmarks" / name, copy / "benchmarks")
     return copy
@@ -97,3 +101,130 @@ def test_a_quick_benchmark_is_not_taken_for_the_figures(tmp_path):
     result = figures("write", "--bench-out", str(out), root=copy)
     assert result.returncode == 1 and "is from bench.py --quick or --gpu" in result.stderr
     assert (copy / "docs/figures/bench.json").read_text() == before
+
+
+# ----------------------------------------------------------------------------- the manual (--help)
+
+# A measured figure as the manual writes one: a percentage, a decimal time or ratio, an approximate time.
+FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?%|\d+\.\d+ ?(?:s|x)\b|~\d+ ?s\b")
+IGNORED = shutil.ignore_patterns(".git", ".venv", "runs", "mutants", "bench-out", "__pycache__", ".pytest_cache")
+
+
+def whole_copy(tmp_path: Path) -> Path:
+    """The checkout as a user has it, without its environment and outputs."""
+    copy = tmp_path / "project"
+    shutil.copytree(ROOT, copy, ignore=IGNORED)
+    return copy
+
+
+def manual(root: Path) -> str:
+    result = subprocess.run([sys.executable, str(root / "mnist_ddp.py"), "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_every_figure_in_help_is_written_from_the_figure_files_and_checked(tmp_path):
+    """Every measured figure that --help shows moves when the files it comes from move, and
+    make check-docs fails until the manual is written again: none is copied by hand."""
+    copy = whole_copy(tmp_path)
+    before = manual(copy)
+    assert FIGURE.findall(before), "the manual shows no measured figure at all"
+
+    def scaled(value):  # every measurement 0.8 times what it was; counts, seeds and the machine stay
+        if isinstance(value, dict):
+            return {k: v if k == "machine" else scaled(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scaled(v) for v in value]
+        return value * 0.8 if isinstance(value, float) else value
+    for name in ("sample.json", "bench.json", "ranks.json"):
+        path = copy / "docs" / "figures" / name
+        path.write_text(json.dumps(scaled(json.loads(path.read_text()))))
+
+    stale = figures(root=copy)
+    assert stale.returncode == 1
+    assert "figures.py: mnist_ddp.py: What it reaches differ from docs/figures/; run: python benchmarks/figures.py write" \
+        in stale.stdout.splitlines()
+    assert figures("write", root=copy).returncode == 0 and figures(root=copy).returncode == 0
+    after = manual(copy)
+    unmoved = [figure for figure in FIGURE.findall(before) if figure in FIGURE.findall(after)]
+    assert not unmoved, f"figures in --help that no figure file writes: {unmoved}"
+
+
+def test_every_block_of_measured_figures_names_its_machine_and_date():
+    not_measured = {"hparams-columns", "tensorboard-output"}  # a count of options, a command's output
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    for page in pages:
+        for name, text in re.findall(r"<!-- figures: (\S+) -->(.*?)<!-- /figures -->", page.read_text(), re.S):
+            if name not in not_measured:
+                assert re.search(r"\d{4}-\d\d-\d\d", text), f"{page.name}: the block {name} names no date"
+                assert "cores" in text or "Machine:" in text, f"{page.name}: the block {name} names no machine"
+
+
+# ----------------------------------------------------------------------------- the suite's figures
+
+def test_the_fast_part_of_the_suite_is_what_the_slurm_marker_leaves(tmp_path):
+    """`figures.py tests` counts as fast what `pytest -m "not slurm"` runs: conftest's marker,
+    which also marks the tests of other files that start a local Slurm (their fixture)."""
+    copy = whole_copy(tmp_path)
+    cases = [("tests.test_recovery", "test_checkpoint_clock_with_a_fake_clock", 1.5),          # fast
+             ("tests.test_recovery", "test_a_crash_loop_gives_up_after_max_restarts", 60.0),   # the one_node fixture
+             ("tests.test_slurm", "test_two_tasks_on_one_node", 30.0)]                        # a file of Slurm tests
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite name="pytest" time="91.5">' + "".join(
+        f'<testcase classname="{module}" name="{name}" time="{seconds}"/>' for module, name, seconds in cases)
+        + "</testsuite></testsuites>")
+    result = figures("tests", str(junit), root=copy)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = json.loads((copy / "docs" / "figures" / "tests.json").read_text())
+    assert (written["tests"], written["not_slurm_tests"], written["not_slurm_seconds"]) == (3, 1, 1.5)
+
+
+# ----------------------------------------------------------------------------- claims the pages make
+
+def exit_codes_of_the_manual() -> set[str]:
+    text = ast.get_docstring(ast.parse((ROOT / "mnist_ddp.py").read_text()))
+    section = text.split("\nExit codes\n", 1)[1].split("\n\n", 1)[0]
+    return set(re.findall(r"^ {0,3}(\d+)  ", section, re.M))
+
+
+def test_the_readme_table_lists_every_exit_code_the_manual_and_launch_define():
+    from ddpkit import launch
+    defined = {str(value) for name, value in vars(launch).items() if name.startswith("EXIT_")}
+    in_manual = exit_codes_of_the_manual()
+    assert defined <= in_manual, f"--help lacks {defined - in_manual}"
+    table = (ROOT / "README.md").read_text().split("| code | meaning |", 1)[1].split("\n\n", 1)[0]
+    in_readme = set(re.findall(r"^\| (\d+) \|", table, re.M))
+    assert in_manual <= in_readme, f"the README's exit code table lacks {in_manual - in_readme}"
+
+
+def test_clusters_md_names_every_setting_of_the_batch_file_header():
+    header = (ROOT / "run_training.sbatch").read_text().split("# Settings, as environment variables", 1)[1]
+    header = header.split("\n#\n", 1)[0]
+    settings = {name for names in re.findall(r"^#   ([A-Z_]+(?:, [A-Z_]+)*) ", header, re.M) for name in names.split(", ")}
+    assert {"MAX_RESTARTS", "PROJECT_DIR", "SWEEP_FILE", "SIGNAL"} <= settings  # (the header is read as meant)
+    section = (ROOT / "docs" / "clusters.md").read_text().split("## Settings", 1)[1].split("\n## ", 1)[0]
+    assert not [name for name in settings if f"`{name}`" not in section]
+
+
+def test_the_cluster_quick_start_asks_for_a_gpu_where_it_sets_a_gpu_partition():
+    quick_start = (ROOT / "README.md").read_text().split("## Cluster quick start", 1)[1].split("\n## ", 1)[0]
+    assert "SBATCH_PARTITION=gpu" in quick_start
+    submit = next(line for line in quick_start.splitlines() if "sbatch" in line and "run_training.sbatch" in line)
+    assert re.search(r"--gpus(-per-node|-per-task)?=\d|--gres=gpu", submit.split("run_training.sbatch")[0]), submit
+
+
+def test_requirements_name_every_package_the_code_imports():
+    local = {"ddpkit", "mnist_ddp", "sweep"}
+    distribution = {"PIL": "pillow"}  # an import name that is not its package's
+    imported = set()
+    for path in [ROOT / "mnist_ddp.py", ROOT / "sweep.py", *(ROOT / "ddpkit").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = {distribution.get(name, name) for name in imported - local - set(sys.stdlib_module_names)}
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    required = {re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower() for line in lines if line and not line.startswith("#")}
+    assert third_party <= required, f"imported but not in requirements.txt: {third_party - required}"

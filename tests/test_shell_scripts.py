@@ -11,6 +11,7 @@ Slurm, in test_slurm.py.)
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,6 +98,41 @@ def test_tensorboard_tunnel_line_is_quoted_for_the_shell(tmp_path, login):
     hop = ["-J", f"first last@{login}"] if login else []
     assert ssh[0][:-1] == ["ssh", "-N", *hop, "-L", f"{port}:localhost:{port}"]
     assert ssh[0][-1].startswith("first last@") and " " not in ssh[0][-1].removeprefix("first last@")
+
+
+def test_tensorboard_help_opens_with_its_usage_not_the_sbatch_lines(tmp_path):
+    result = run_to_the_end([str(TENSORBOARD_SH), "--help"], venv_env(), tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Usage: tensorboard.sh "), lines[:3]
+    assert not [line for line in lines if "SBATCH --" in line or line.startswith("#")]
+    assert {"LOG_DIR", "PORT", "VENV", "LOGIN_HOST"} <= {line.split()[0] for line in lines if line.startswith("  ")}
+
+
+def test_the_view_line_of_a_run_starts_tensorboard_sh_as_printed(tmp_path):
+    """What `make run` prints to view its logs, run word for word from where the run ran:
+    the project's tensorboard.sh on the run's log directory."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "mutants", "__pycache__"))
+    run = subprocess.run([sys.executable, "mnist_ddp.py", "--epochs", "1", "--max-steps", "2", "--image-every", "0"],
+                         cwd=project, env=venv_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    view = next(line for line in run.stdout.splitlines() if line.startswith("TensorBoard logs: "))
+    command = shlex.split(view.split("(view: ", 1)[1].removesuffix(")"))
+    assert command == ["./tensorboard.sh", "--logdir", "runs"], view
+    printed = subprocess.Popen(command, cwd=project, env=venv_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in printed.stdout:  # up to the line it prints as TensorBoard starts
+            lines.append(line)
+            if line.startswith("TensorBoard on "):
+                break
+    finally:
+        os.killpg(printed.pid, signal.SIGTERM)
+        printed.communicate(timeout=60)
+    assert lines[0] == "On your own computer, open the tunnel:\n", lines
+    assert lines[-1].startswith("TensorBoard on 127.0.0.1:") and lines[-1].endswith(", log directory runs (Ctrl-C to stop)\n")
 
 
 # ----------------------------------------------------------------------------- torchrun_commands.sh
