@@ -23,9 +23,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.checkpoints import replace_text
-from ddpkit.distributed import Runtime
+from ddpkit.distributed import Runtime, all_ranks_agree
 from ddpkit.launch import UsageError
-from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, data_lock, files_stamp
+from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, data_lock, files_stamp, walk_readable
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -169,7 +169,28 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
     feed, reason = choose_feed(wanted, size, ranks_on_node, rt.device)
     if rt.local_rank == 0:
         print(f"[rank {rt.rank}] data: {reason}", flush=True)
-    return load(feed=feed, device=rt.device)
+    if dataset == "folder":
+        check_streamed_images(listing, facts, feed, rt)
+    train, test = load(feed=feed, device=rt.device)
+    # Each rank takes an equal share of the training images every epoch (and drops the rest).
+    if len(train) < rt.world_size:
+        raise UsageError(f"{len(train)} training image(s) in {data_dir} cannot be shared among {rt.world_size} ranks: every "
+                         f"rank needs at least one; add training images, or run {len(train)} rank(s) at most")
+    return train, test
+
+
+def check_streamed_images(listing: "FolderListing", facts: "FolderFacts", feed: str, rt: Runtime) -> None:
+    """A streamed image is decoded only when a batch needs it (a damaged test image: after
+    the first epoch): check them all before anything trains, each rank its share. Every rank
+    takes part in the agreement, as ranks on different nodes may choose different feeds."""
+    error = ""
+    try:
+        if feed == "stream":
+            check_images([path for path, _ in listing.train + listing.test][rt.rank::rt.world_size], facts.shape)
+    except UsageError as err:
+        error = str(err)
+    if not all_ranks_agree(not error, rt, "the check of the streamed images"):
+        raise UsageError(error or "another rank found an image it cannot read; see its error above")
 
 
 # ----------------------------------------------------------------------------- choosing the feed
@@ -234,6 +255,10 @@ def load_mnist_like(spec: MNISTLike, data_dir: Path, feed: str, device: torch.de
         for images, labels in ((train_images, train_labels), (test_images, test_labels)):
             if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
                 raise ValueError(f"{len(images)} images of {list(images.shape[1:])} and {len(labels)} labels")
+        for name, labels in ((RAW_FILES[1], train_labels), (RAW_FILES[3], test_labels)):
+            if len(labels) and labels.max() >= len(spec.classes):
+                raise ValueError(f"{name} holds label {labels.max().item()}, but {spec.name} has only the "
+                                 f"{len(spec.classes)} classes 0 to {len(spec.classes) - 1}")
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot read {raw} ({type(err).__name__}: {err}); delete that folder and run again to fetch "
                          "it anew") from None
@@ -326,62 +351,59 @@ def layout_hint(root: Path) -> str:
 
 def list_folder(root: Path) -> FolderListing:
     """Every image of train/ and test/, labelled by its class folder, with the layout checked."""
+    if not root.is_dir():
+        raise UsageError(f"--data-dir {root} {'is not a folder' if root.exists() else 'does not exist'}: "
+                         f"{layout_hint(root)}")
     for part in ("train", "test"):
         if not (root / part).is_dir():
             raise UsageError(f"--data-dir {root} has no {part}/ folder: {layout_hint(root)}")
     ignored: list[str] = []
-    train_dirs = class_dirs(root / "train", ignored)
-    if not train_dirs:
+    train_classes = class_files(root / "train", ignored)
+    if not train_classes:
         raise UsageError(f"{root / 'train'} has no class folders: {layout_hint(root)}")
-    classes = tuple(path.name for path in train_dirs)
+    classes = tuple(train_classes)
     train, test = [], []
-    for label, class_dir in enumerate(train_dirs):
-        found = image_files(class_dir, ignored)
+    for label, (name, found) in enumerate(train_classes.items()):
         if not found:
-            raise UsageError(f"{class_dir} holds no PNG or JPEG images: add some, or remove the folder to drop the class")
+            raise UsageError(f"{root / 'train' / name} holds no PNG or JPEG images: add some, or remove the folder to drop "
+                             "the class")
         train += [(path, label) for path in found]
-    for class_dir in class_dirs(root / "test", ignored):
-        if class_dir.name not in classes:
-            raise UsageError(f"{class_dir} is a class that {root / 'train'} lacks: add {root / 'train' / class_dir.name} "
+    for name, found in class_files(root / "test", ignored).items():
+        if name not in classes:
+            raise UsageError(f"{root / 'test' / name} is a class that {root / 'train'} lacks: add {root / 'train' / name} "
                              "with training images, or remove it")
-        test += [(path, classes.index(class_dir.name)) for path in image_files(class_dir, ignored)]
+        test += [(path, classes.index(name)) for path in found]
     if not test:
         raise UsageError(f"{root / 'test'} holds no PNG or JPEG images: put the test images in {root}/test/<class>/")
     fingerprint = files_stamp([path for path, _ in train + test], root)
     return FolderListing(classes, train, test, fingerprint, ignored)
 
 
-def class_dirs(split_dir: Path, ignored: list[str]) -> list[Path]:
-    """The class folders of train/ or test/, sorted by name; hidden entries skipped, files noted."""
-    dirs = []
-    for entry in sorted(os.scandir(split_dir), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            dirs.append(Path(entry.path))
-        else:
-            ignored.append(entry.path)
-    return dirs
-
-
-def image_files(class_dir: Path, ignored: list[str]) -> list[str]:
-    """The PNG and JPEG files in a class folder and its subfolders, as torchvision's
-    ImageFolder finds them, in a fixed order; hidden entries skipped, other files noted."""
-    found = []
-    for parent, dirnames, filenames in os.walk(class_dir, followlinks=True):
-        dirnames[:] = sorted(name for name in dirnames if not name.startswith("."))
-        for name in sorted(filenames):
-            if name.startswith("."):
-                continue
-            (found if name.lower().endswith(IMAGE_SUFFIXES) else ignored).append(os.path.join(parent, name))
+def class_files(split_dir: Path, ignored: list[str]) -> dict[str, list[str]]:
+    """{class folder's name: its PNG and JPEG files, in its subfolders too}, classes sorted by
+    name, as torchvision's ImageFolder finds them; other files are noted in `ignored`. The
+    split is walked once (staging.walk_readable), so a link from one class into another, or
+    back up, is refused rather than counting images twice."""
+    folders, files = walk_readable(split_dir)
+    top = str(split_dir)
+    found: dict[str, list[str]] = {folder[len(top) + 1:]: [] for folder in folders[1:]
+                                   if os.sep not in folder[len(top) + 1:]}
+    for path in files:
+        name, inside, _ = path[len(top) + 1:].partition(os.sep)
+        (found[name] if inside and path.lower().endswith(IMAGE_SUFFIXES) else ignored).append(path)
     return found
 
 
-def read_header(path: str) -> tuple[tuple[int, int], str]:
-    """(width, height) and PIL mode, from the file's header only."""
+def read_header(path: str, verify: bool = False) -> tuple[tuple[int, int], str]:
+    """(width, height) and PIL mode, from the file's header only; with `verify`, PIL's check
+    of the whole file too (a PNG's every chunk against its CRC, which finds a truncated or
+    damaged file; a JPEG's header only), at about the cost of reading it."""
     try:
         with Image.open(path) as image:
-            return image.size, image.mode
+            size, mode = image.size, image.mode
+            if verify:
+                image.verify()
+            return size, mode
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise UsageError(f"cannot read {path} as an image ({type(err).__name__}: {err}); remove or replace it") from None
 
@@ -399,6 +421,18 @@ def check_headers(listing: FolderListing) -> tuple[int, int, int]:
                              f"size; resize them first (e.g. with Pillow or ImageMagick's mogrify -resize {width}x{height}!)")
     channels = 1 if all(mode in GRAY_MODES for _, mode in headers) else 3
     return channels, height, width
+
+
+def check_images(paths: list[str], shape: tuple[int, int, int]) -> None:
+    """Refuse, in one line naming it, the first of these images that is damaged (read_header
+    with verify) or not of `shape`'s size, without decoding their pixels."""
+    with ThreadPoolExecutor(decode_threads()) as pool:  # threads hide the latency of network file systems
+        for path, ((width, height), _) in zip(paths, pool.map(functools.partial(read_header, verify=True), paths),
+                                              strict=True):
+            if (height, width) != shape[1:]:
+                raise UsageError(f"{path} is {width}x{height} but the other images are {shape[2]}x{shape[1]}: every "
+                                 f"image must have one size; resize it first (e.g. with mogrify -resize "
+                                 f"{shape[2]}x{shape[1]}!)")
 
 
 def decode_image(path: str, shape: tuple[int, int, int]) -> torch.Tensor:

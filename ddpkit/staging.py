@@ -7,12 +7,15 @@ torchvision is imported only to fetch them: a run on staged data never loads it 
 start-up). imagesets.py reads them, and image folders, into memory or a DataLoader."""
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
 import os
 import shutil
 import socket
+import stat as stat_lib
+import sys
 import tempfile
 import urllib.parse
 import urllib.request
@@ -77,6 +80,16 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = ""):
         yield
 
 
+def remove_staging_leftovers(directory: Path) -> None:
+    """Remove the .staging-* folders of stagings that were killed (SIGKILL, a node lost) in
+    `directory`. Call it holding its data_lock: a staging folder is made and removed only
+    under that lock, so none of them belongs to a staging still under way."""
+    for leftover in sorted(directory.glob(".staging-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+        if not leftover.exists():
+            print(f"removed {leftover}, left by a staging that never finished", file=sys.stderr, flush=True)
+
+
 def mnist_like(dataset: str, mirror: str = "") -> MNISTLike:
     """The --dataset's description, its mirrors replaced by --data-mirror when given (the
     same name, so the files land in the same DATA_DIR/<Name>/raw folder)."""
@@ -127,6 +140,7 @@ def stage_dataset(spec: MNISTLike, data_dir: Path, source: Path | None = None, f
         return False
     raw = spec.raw(data_dir)
     with data_lock(data_dir, flag, f" and it does not hold {spec.name} yet"):
+        remove_staging_leftovers(data_dir)
         if is_staged(spec, data_dir):
             return False
         chatter = io.StringIO()
@@ -185,13 +199,68 @@ def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
                     print(f"[rank {rt.rank}] staged {spec.name} in {spec.raw(data_dir)}", flush=True)
                 if local is not None and stage_dataset(spec, local, source=data_dir, flag="--node-data-dir"):
                     print(f"[rank {rt.rank}] copied {spec.name} to {local} on {socket.gethostname()}", flush=True)
-            elif local is not None and copy_folder(data_dir, local):
-                print(f"[rank {rt.rank}] copied {data_dir} to {local} on {socket.gethostname()}", flush=True)
+            else:
+                if run.download_only:  # nothing to fetch: check the folder as training reads it (and measure it once)
+                    from ddpkit.imagesets import read_folder  # (imported here: imagesets imports this module)
+                    read_folder(data_dir)
+                if local is not None and copy_folder(data_dir, local):
+                    print(f"[rank {rt.rank}] copied {data_dir} to {local} on {socket.gethostname()}", flush=True)
         except UsageError as err:
             error = str(err)
     if not all_ranks_agree(not error, rt, "the barrier around staging the data"):
         raise UsageError(error or "another rank could not stage the data set; see its error above")
     return node_data_dir(run) or data_dir
+
+
+def walk_readable(top: Path) -> tuple[list[str], list[str]]:
+    """(folders, files) under `top`, `top` first, as os.walk(followlinks=True) orders them
+    (each folder's files by name, then its subfolders by name), hidden entries skipped.
+
+    Symlinks to files and to folders are followed, but no folder is entered twice: a symlink
+    loop (class/loop -> ..) or a second link to a folder already read would count its images
+    again, so it is refused by name, as are a broken symlink and what cannot be read. Every
+    reader of an image folder (the listing, its fingerprint, the node-local copy) walks it here."""
+    folders, files, seen = [], [], {}
+
+    def visit(folder: str) -> None:
+        stat = readable_stat(folder)
+        if (stat.st_dev, stat.st_ino) in seen:
+            raise UsageError(f"{folder} leads to {seen[stat.st_dev, stat.st_ino]} again (a symlink loop, or a second "
+                             "link to one folder), so its images would count twice: remove that link")
+        seen[stat.st_dev, stat.st_ino] = folder
+        folders.append(folder)
+        try:
+            with os.scandir(folder) as entries:
+                names = sorted(entry.name for entry in entries if not entry.name.startswith("."))
+        except OSError as err:
+            raise UsageError(f"cannot list {folder} ({err.strerror or err}): make it readable, or remove it") from None
+        subfolders = []
+        for name in names:
+            path = os.path.join(folder, name)
+            if stat_lib.S_ISDIR(readable_stat(path).st_mode):
+                subfolders.append(path)
+            else:
+                files.append(path)
+        for path in subfolders:
+            visit(path)
+
+    visit(str(top))
+    return folders, files
+
+
+def readable_stat(path: str) -> os.stat_result:
+    """The stat of what `path` names (through symlinks), refused in one line when it is a
+    broken symlink or cannot be read."""
+    try:
+        stat = os.stat(path)
+    except OSError as err:
+        if os.path.islink(path) and err.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise UsageError(f"{path} is a broken symlink (to {os.readlink(path)}, which does not exist): remove it, or "
+                             "restore what it points to") from None
+        raise UsageError(f"cannot read {path} ({err.strerror or err}): make it readable, or remove it") from None
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"cannot read {path} (permission denied): make it readable (chmod a+r), or remove it")
+    return stat
 
 
 def files_stamp(paths: list[str], root: Path) -> str:
@@ -204,16 +273,6 @@ def files_stamp(paths: list[str], root: Path) -> str:
     return hashlib.sha256("".join(stamps).encode()).hexdigest()
 
 
-def tree_stamp(source: Path) -> str:
-    """files_stamp of every file under source/train and source/test."""
-    paths = []
-    for part in ("train", "test"):
-        for folder, dirs, files in sorted(os.walk(source / part)):
-            dirs.sort()
-            paths += [os.path.join(folder, name) for name in sorted(files)]
-    return files_stamp(paths, source)
-
-
 def copy_folder(source: Path, local: Path) -> bool:
     """Copy an image folder's train/ and test/ (and its cached statistics) to the node-local
     directory, unless a copy of the folder as it is now is there already; True if it copied."""
@@ -221,16 +280,23 @@ def copy_folder(source: Path, local: Path) -> bool:
     if missing:
         raise UsageError(f"--data-dir {source} has no {missing[0]}/ folder: --dataset folder reads "
                          f"{source}/train/<class>/*.png|jpg and {source}/test/<class>/*")
-    done, stamp = local / ".copied-from", f"{source.resolve()}\n{tree_stamp(source)}"
+    walked = {part: walk_readable(source / part) for part in ("train", "test")}  # (refuses what it cannot read)
+    every_file = [path for _, files in walked.values() for path in files]
+    done, stamp = local / ".copied-from", f"{source.resolve()}\n{files_stamp(every_file, source)}"
     if done.is_file() and done.read_text() == stamp:
         return False
     with data_lock(local, "--node-data-dir"):
+        remove_staging_leftovers(local)
         if done.is_file() and done.read_text() == stamp:
             return False
         try:
-            for part in ("train", "test"):
+            for part, (folders, files) in walked.items():
                 with tempfile.TemporaryDirectory(dir=local, prefix=".staging-") as staging:
-                    shutil.copytree(source / part, Path(staging, part))  # (copy2: sizes and times kept)
+                    # What was walked, symlinks copied as the files they point to (copy2: sizes and times kept).
+                    for path in folders:
+                        Path(staging, part, os.path.relpath(path, source / part)).mkdir(parents=True, exist_ok=True)
+                    for path in files:
+                        shutil.copy2(path, Path(staging, part, os.path.relpath(path, source / part)))
                     if (local / part).exists():
                         shutil.rmtree(local / part)
                     os.replace(Path(staging, part), local / part)

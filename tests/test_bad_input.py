@@ -2,7 +2,9 @@
 to do, and exit code 2: never a traceback, never a hang. So do a log or run directory
 that is full, read-only or not a directory (made real with tmpfs and read-only mounts:
 as root, permissions alone would stop nothing) and a checkpoint that no longer fits the
-model; and a full disk loses nothing already saved.
+model; and a full disk loses nothing already saved. An image folder that training could not
+read (a broken symlink, an unreadable or damaged image, fewer images than ranks) is refused
+before anything trains, and `--download-only` checks it as training would.
 
     python -m pytest tests/test_bad_input.py
 """
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 import mnist_ddp
-from conftest import ROOT, SCRIPT, clean_env, run_as_srun, run_python, run_single
+from conftest import ROOT, SCRIPT, clean_env, make_image_folder, run_as_srun, run_python, run_single
 
 
 @pytest.fixture(autouse=True)
@@ -387,3 +389,100 @@ def test_stop_signals_are_caught_before_torch_loads():
     result = subprocess.run([sys.executable, "-c", probe], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- image folders
+
+def image_folder(root: Path, train: int = 2, test: int = 1) -> Path:
+    return make_image_folder(root, {"train": train, "test": test}, size=8)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The one line of a refusal (exit 2, no traceback), without the program's name."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0].partition(": error: ")[2]
+
+
+def test_image_folder_with_a_broken_symlink_is_one_line_with_or_without_node_data_dir(tmp_path):
+    """Read in place, or first copied to node-local storage: the link is named, exit 2."""
+    images = image_folder(tmp_path / "images")
+    (images / "train" / "row" / "002.png").symlink_to(tmp_path / "deleted.png")
+    said = (f"{images / 'train' / 'row' / '002.png'} is a broken symlink (to {tmp_path / 'deleted.png'}, which does not "
+            "exist): remove it, or restore what it points to")
+    args = ["--dataset", "folder", "--data-dir", str(images), "--epochs", "1"]
+    assert one_error_line(run_single(args, cwd=tmp_path)) == said
+    assert one_error_line(run_single([*args, "--node-data-dir", str(tmp_path / "node")], cwd=tmp_path)) == said
+    assert not list((tmp_path / "node").glob("*/")), "nothing half-copied is left on the node"
+
+
+def test_unreadable_image_is_refused_by_name():
+    """As the unprivileged user nobody (root reads anything): a file it cannot read is named."""
+    with tempfile.TemporaryDirectory() as top:
+        os.chmod(top, 0o755)
+        images = image_folder(Path(top) / "images")
+        secret = images / "test" / "row" / "000.png"
+        secret.chmod(0o000)
+        cmd = [sys.executable, str(SCRIPT), "--dataset", "folder", "--data-dir", str(images), "--download-only"]
+        if os.geteuid() == 0:
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        result = subprocess.run(cmd, cwd=top, env=clean_env(HOME=top), capture_output=True, text=True, timeout=120)
+    assert one_error_line(result) == f"cannot read {secret} (permission denied): make it readable (chmod a+r), or remove it"
+
+
+def test_fewer_training_images_than_ranks_is_one_line_naming_the_counts(tmp_path):
+    """1 training image and 2 ranks: each rank would get 0 images and 0 steps."""
+    images = image_folder(tmp_path / "images", train=1)
+    for name in ("diagonal", "row"):
+        for part in ("train", "test"):
+            for path in (images / part / name).iterdir():
+                path.unlink()
+            (images / part / name).rmdir()
+    said = (f"1 training image(s) in {images} cannot be shared among 2 ranks: every rank needs at least one; add "
+            "training images, or run 1 rank(s) at most")
+    for result in run_as_srun(2, ["--dataset", "folder", "--data-dir", str(images), "--epochs", "1"], cwd=tmp_path):
+        assert one_error_line(result) == said
+
+
+@pytest.mark.parametrize("layout, said", [
+    ("missing", "--data-dir {d} does not exist: --dataset folder reads {d}/train/<class>/*.png|jpg and {d}/test/<class>/*"),
+    ("no test", "--data-dir {d} has no test/ folder: --dataset folder reads {d}/train/<class>/*.png|jpg and "
+                "{d}/test/<class>/*"),
+    ("no images", "{d}/train/column holds no PNG or JPEG images: add some, or remove the folder to drop the class"),
+])
+def test_download_only_of_an_image_folder_checks_it_as_training_reads_it(tmp_path, layout, said):
+    """--download-only on a login node is where a wrong --data-dir should show, not after the
+    job's queue wait: the folder is listed and its images read as training would."""
+    images = tmp_path / "images"
+    if layout != "missing":
+        image_folder(images)
+    if layout == "no test":
+        subprocess.run(["rm", "-r", str(images / "test")], check=True)
+    if layout == "no images":
+        for path in (images / "train").rglob("*.png"):
+            path.rename(path.with_suffix(".txt"))
+    result = run_single(["--dataset", "folder", "--data-dir", str(images), "--download-only"], cwd=tmp_path)
+    assert one_error_line(result).endswith(said.format(d=images))
+
+
+def test_download_only_of_a_good_image_folder_measures_it_once(tmp_path):
+    images = image_folder(tmp_path / "images")
+    result = run_single(["--dataset", "folder", "--data-dir", str(images), "--download-only"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"[rank 0] folder is ready in {images}" in result.stdout
+    assert (images / ".mnist-ddp-stats.json").is_file()  # the jobs that follow need not measure it
+
+
+def test_streamed_folder_with_a_damaged_test_image_stops_before_training(tmp_path):
+    """--data-feed stream decodes a test image only at the first evaluation: a truncated one
+    is found when the data is read, before any step, in one line that names it."""
+    images = image_folder(tmp_path / "images")
+    damaged = images / "test" / "diagonal" / "000.png"
+    whole = damaged.read_bytes()
+    damaged.write_bytes(whole[: len(whole) // 2])
+    result = run_single(["--dataset", "folder", "--data-dir", str(images), "--data-feed", "stream", "--epochs", "1",
+                         "--run-name", "r"], cwd=tmp_path)
+    assert one_error_line(result).startswith(f"cannot read {damaged} as an image (")
+    assert "step" not in result.stdout and not (tmp_path / "runs" / "r" / "metrics.jsonl").exists()

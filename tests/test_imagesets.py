@@ -287,6 +287,34 @@ def test_truncated_image_is_refused_when_decoded(folder):
     assert "\n" not in str(refused.value)
 
 
+def test_symlinked_files_and_folders_are_read_once_each(folder):
+    """A class folder or an image may be a symlink to elsewhere: each counts once."""
+    outside = folder.parent / "more-bees"
+    outside.mkdir()
+    Image.fromarray(class_pattern(1, seed=77)).save(outside / "extra.png")
+    (folder / "train/bee/more").symlink_to(outside)
+    (folder / "train/cat/linked.png").symlink_to(folder / "train/cat/0.png")
+    train, _ = load_folder(folder, "memory", CPU, verbose=False)
+    assert len(train) == 12 + 2 and train.labels.tolist().count(1) == 5
+
+
+def test_broken_symlink_in_a_class_folder_is_refused_by_name(folder):
+    (folder / "train/bee/gone.png").symlink_to(folder / "elsewhere/gone.png")
+    assert one_line_refusal(folder) == (f"{folder / 'train/bee/gone.png'} is a broken symlink (to "
+                                        f"{folder / 'elsewhere/gone.png'}, which does not exist): remove it, or restore "
+                                        "what it points to")
+
+
+@pytest.mark.parametrize("target, again", [("..", "train"), ("../ant", "train/ant")])
+def test_symlink_loop_or_a_second_link_to_a_folder_is_refused_not_counted_again(folder, target, again):
+    """class/loop -> .. would read the split again and again until the path grows too long
+    (300 images became 4,660); a link into another class would count its images under two
+    labels. Both are refused, naming the link and the folder it leads to."""
+    (folder / "train/bee/loop").symlink_to(target)
+    assert one_line_refusal(folder) == (f"{folder / 'train/bee/loop'} leads to {folder / again} again (a symlink loop, or "
+                                        "a second link to one folder), so its images would count twice: remove that link")
+
+
 def test_empty_class_folder_is_refused(folder):
     (folder / "train/dog").mkdir()
     (folder / "train/dog/notes.txt").write_text("to do")
@@ -352,6 +380,20 @@ def test_damaged_mnist_like_files_are_refused(sample_dir, tmp_path):
         load_mnist_like(MNIST_SAMPLE, tmp_path, "memory", CPU)
     assert str(refused.value).startswith(f"cannot read {raw} (")
     assert str(refused.value).endswith("); delete that folder and run again to fetch it anew")
+
+
+def test_mnist_like_label_above_the_classes_is_refused_naming_the_file(sample_dir, tmp_path):
+    """A label of 12 in a 10-class IDX file would index past the class names: refused when read."""
+    shutil.copytree(sample_dir / "MNISTSample", tmp_path / "MNISTSample")
+    labels = tmp_path / "MNISTSample" / "raw" / "t10k-labels-idx1-ubyte"
+    data = bytearray(labels.read_bytes())
+    data[8 + 5] = 12  # the sixth label, after the 8-byte header
+    labels.write_bytes(bytes(data))
+    with pytest.raises(UsageError) as refused:
+        load_mnist_like(MNIST_SAMPLE, tmp_path, "stream", CPU)
+    assert str(refused.value) == (f"cannot read {labels.parent} (ValueError: t10k-labels-idx1-ubyte holds label 12, but "
+                                  "MNISTSample has only the 10 classes 0 to 9); delete that folder and run again to fetch "
+                                  "it anew")
 
 
 # ----------------------------------------------------------------------------- per-batch arithmetic

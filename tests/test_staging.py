@@ -2,8 +2,10 @@
 that serves the bundled sample's files under MNIST's names (the tests supply their
 checksums): one rank downloads behind the barrier while the other waits, two jobs
 sharing a data directory take turns, and a missing network or a corrupt file ends in
-one actionable line on every rank, with nothing half-written left behind. An image folder
-is copied to a node-local directory with its cached statistics, and again once it changed.
+one actionable line on every rank, with nothing half-written left behind, and what a
+SIGKILLed stager left is removed by the next. An image folder is copied to a node-local
+directory with its cached statistics (its symlinks followed, a loop refused), and again once
+it changed.
 
     python -m pytest tests/test_staging.py
 """
@@ -19,7 +21,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import SAMPLE, assert_ok, clean_env, free_port, make_image_folder, read_metrics, run_as_srun, run_single
+from conftest import SAMPLE, assert_ok, clean_env, free_port, make_image_folder, read_metrics, run_as_srun, run_python, run_single
 
 FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
 # torchvision sends two GETs per file: one that follows redirects, one for the data.
@@ -171,3 +173,55 @@ def test_image_folder_copy_to_the_node_carries_the_statistics_and_follows_change
     (shared / "train" / "row" / "002.png").write_bytes((shared / "train" / "row" / "000.png").read_bytes())
     assert copy_folder(shared, local) is True
     assert (local / "train" / "row" / "002.png").is_file()
+
+
+KILLED_MID_STAGING = """
+import os, signal, sys
+from ddpkit import staging
+import mnist_ddp
+
+def killed_mid_copy(cls, raw):
+    raw.mkdir(parents=True)
+    (raw / "train-images-idx3-ubyte.gz").write_bytes(b"half a download")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+staging.copy_from_file_mirror = killed_mid_copy
+sys.exit(mnist_ddp.main(sys.argv[1:]))
+"""
+
+
+def test_staging_folder_left_by_a_kill_is_removed_at_the_next_staging(tmp_path):
+    """A stager killed mid-copy (SIGKILL: no cleanup runs) leaves its .staging-* folder; the
+    next one, holding the lock that every stager holds while its folder exists, removes it.
+    The same holds for a node-local copy of an image folder."""
+    (tmp_path / "killed.py").write_text(KILLED_MID_STAGING)
+    killed = run_python(["--download-only"], tmp_path, script=tmp_path / "killed.py")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    [leftover] = (tmp_path / "data").glob(".staging-*")
+    result = run_single(["--download-only"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not list((tmp_path / "data").glob(".staging-*"))
+    assert f"removed {leftover.relative_to(tmp_path)}, left by a staging that never finished" in result.stderr
+
+    from ddpkit.staging import copy_folder
+    shared, local = make_image_folder(tmp_path / "shared", {"train": 1, "test": 1}, size=8), tmp_path / "node"
+    (local / ".staging-x1y2z3" / "train" / "row").mkdir(parents=True)  # as a copy killed midway leaves it
+    assert copy_folder(shared, local) is True
+    assert sorted(p.name for p in local.iterdir()) == [".copied-from", ".mnist_ddp.lock", "test", "train"]
+
+
+def test_node_local_copy_of_an_image_folder_follows_symlinks_but_refuses_a_loop(tmp_path):
+    """The copy walks the folder as training lists it: a symlinked image is copied as a file,
+    a symlink loop is refused by name before anything is copied."""
+    from ddpkit.launch import UsageError
+    from ddpkit.staging import copy_folder
+    shared, local = make_image_folder(tmp_path / "shared", {"train": 1, "test": 1}, size=8), tmp_path / "node"
+    (shared / "train" / "row" / "linked.png").symlink_to(shared / "test" / "row" / "000.png")
+    assert copy_folder(shared, local) is True
+    copied = local / "train" / "row" / "linked.png"
+    assert not copied.is_symlink() and copied.read_bytes() == (shared / "test" / "row" / "000.png").read_bytes()
+    (shared / "test" / "row" / "loop").symlink_to("..")
+    with pytest.raises(UsageError) as refused:
+        copy_folder(shared, tmp_path / "other-node")
+    assert str(refused.value).startswith(f"{shared / 'test' / 'row' / 'loop'} leads to {shared / 'test'} again")
+    assert not (tmp_path / "other-node").exists()
