@@ -24,9 +24,10 @@ each run's directory itself, so a line takes no --run-name, --run-dir or --log-d
       failed with its exit code, diverged); it reads only the run directories, so it
       works while the sweep runs and from a login node
 
-submit and run check every line before they write anything. A sweep directory keeps the
-lines it was given once one of its runs started, or `submit` handed it to Slurm: a file
-with other lines is then refused; until then a new file replaces them.
+submit and run check every line, with mnist_ddp.py's own parser and checks too, before
+they write or submit anything. A sweep directory keeps the lines it was given once one of
+its runs started, or `submit` handed it to Slurm: a file with other lines is then refused;
+until then a new file replaces them (an sbatch that refused the array hands nothing over).
 
 Settings, as environment variables: LOG_DIR (the directory that holds sweep
 directories, [./runs]), PYTHON (for `run` [this interpreter]); `submit` passes the
@@ -35,6 +36,7 @@ environment on to run_training.sbatch (VENV, DATA_DIR, MAX_RESTARTS, ...).
 
 import argparse
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -46,106 +48,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ddpkit.sweeplines import PROG, SweepError, as_options, command, line_numbers, names_of, read_lines, task, varying
+
 HERE = Path(__file__).resolve().parent
-PROG = "sweep.py"
-
-
-class SweepError(Exception):
-    """One line on stderr and exit code 2."""
-
-
-def command(*args: object) -> str:
-    """A sweep.py command line for a message, quoted so that it works when pasted."""
-    script = sys.argv[0] if sys.argv[0].endswith(".py") else PROG
-    return "python " + shlex.join([script, *map(str, args)])
 
 
 # ----------------------------------------------------------------------------- option lines
-
-RUN_DIR_OPTIONS = ("--run-name", "--run-dir", "--log-dir")  # the sweep sets them: LOG_DIR/<sweep>/<run name>
-
-
-def names_run_dir(word: str) -> bool:
-    """Whether a word of an option line is one of RUN_DIR_OPTIONS, or a prefix that argparse
-    could take for one (it accepts any unique prefix of a long option: --run-n, --log-d=x)."""
-    option = word.partition("=")[0]
-    return len(option) > 2 and any(name.startswith(option) for name in RUN_DIR_OPTIONS)
-
-
-def read_lines(path: Path, allow_run_dirs: bool = False) -> list[list[str]]:
-    """The runs of a sweep file: each line split as a shell would, # starting a comment,
-    blank ones left out. Every line is checked here, before anything is written: it must
-    be --options and values, and name no run directory (allow_run_dirs: reading back a
-    sweep directory that an older sweep.py wrote)."""
-    if path.is_dir():
-        hint = f"; the table of its runs: {command('summary', path)}" if (path / "sweep.txt").is_file() else ""
-        raise SweepError(f"{path} is a directory, not a sweep file{hint}")
-    if not path.is_file():
-        raise SweepError(f"{path}: no such sweep file; write one option line per run, or let grid write them, e.g. "
-                         f"{command('grid', '--lr', '1e-3', '3e-3', '--epochs', '4')} > {shlex.quote(str(path))}")
-    try:
-        data = path.read_bytes()
-        text = data.decode("utf-8")
-    except OSError as err:
-        raise SweepError(f"{path}: cannot read it ({err.strerror})") from None
-    except UnicodeDecodeError as err:
-        number = data.count(b"\n", 0, err.start) + 1
-        raise SweepError(f"{path}:{number}: not UTF-8 text (byte {data[err.start]:#04x}); save the file as UTF-8") from None
-    runs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            words = shlex.split(line, comments=True)
-            as_options(words)
-        except (ValueError, SweepError) as err:
-            raise SweepError(f"{path}:{number}: {err}") from None
-        named = [word.partition("=")[0] for word in words if names_run_dir(word)]
-        if named and not allow_run_dirs:
-            raise SweepError(f"{path}:{number}: {named[0]}: a sweep names each run's directory itself (LOG_DIR/<sweep file's "
-                             "name>/<the options that vary>), so a line takes no --run-name, --run-dir or --log-dir; "
-                             "delete it, and set LOG_DIR to put the sweep elsewhere")
-        if words:
-            runs.append(words)
-    if not runs:
-        raise SweepError(f"{path} holds no option lines")
-    return runs
-
-
-def as_options(args: list[str]) -> dict[str, str]:
-    """'--lr 1e-3 --amp' -> {'lr': '1e-3', 'amp': ''}; the last of a repeated option wins."""
-    options, i = {}, 0
-    while i < len(args):
-        if not args[i].startswith("--"):
-            raise SweepError(f"expected an --option, got {args[i]!r} in: {shlex.join(args)}")
-        name, eq, value = args[i][2:].partition("=")
-        if not re.fullmatch(r"[a-z][a-z0-9-]*", name):
-            raise SweepError(f"{args[i].partition('=')[0]!r} is not an option name (--lower-case-words)")
-        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value, i = args[i + 1], i + 1
-        options[name] = value
-        i += 1
-    return options
-
-
-def varying(runs: list[list[str]]) -> list[str]:
-    """The options whose values are not the same on every line, in order of appearance."""
-    parsed = [as_options(run) for run in runs]
-    names = list(dict.fromkeys(name for options in parsed for name in options))
-    return [name for name in names if len({options.get(name) for options in parsed}) > 1]
-
-
-def run_name(args: list[str], varied: list[str], index: int) -> str:
-    """A directory name that tells the runs apart: the varied options, as lr=1e-3,batch-size=64."""
-    options = as_options(args)
-    parts = [f"{name}={options[name]}" if options.get(name) else name for name in varied if name in options]
-    name = re.sub(r"[^\w.+=,@-]", "_", ",".join(parts))[:120]
-    return name or f"task-{index}"
-
-
-def names_of(runs: list[list[str]]) -> list[str]:
-    varied = varying(runs)
-    names = [run_name(run, varied, i) for i, run in enumerate(runs)]
-    return [name if names.count(name) == 1 else f"{i}-{name}" for i, name in enumerate(names)]
-
 
 def grid(args: list[str]) -> list[str]:
     """'--lr 1e-3 3e-3 --amp --epochs 4' -> one line per combination of the listed values."""
@@ -174,8 +82,7 @@ def sweep_dir_for(sweep_file: Path, log_dir: Path) -> Path:
 
 def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
-    sys.path.insert(0, str(HERE))
-    import mnist_ddp  # here, not at the top: summary must work without torch
+    import mnist_ddp  # (check_lines imported it)
     from ddpkit.options import RunOptions
     from ddpkit.runlog import declare_hparams as declare
     varied = [name.replace("-", "_") for name in varying(runs)]
@@ -183,6 +90,32 @@ def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     names = mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values
     first = tuple(name for name in varied if name in names) or mnist_ddp.SHOWN_FIRST
     declare(sweep_dir, mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1, first))
+
+
+def check_lines(sweep_file: Path, runs: list[list[str]], sweep_dir: Path) -> None:
+    """Each line as its run will read it (with the run directory the sweep gives it), through
+    mnist_ddp.py's own parser and checks, before anything is written or submitted: a
+    misspelt option or a value the script refuses stops the sweep here, naming its line,
+    instead of failing that task after its queue wait. (mnist_ddp imports torch: about a
+    second, once; each line then takes a millisecond.)"""
+    sys.path.insert(0, str(HERE))
+    try:
+        import mnist_ddp  # here, not at the top: summary must work without torch
+    except ImportError as err:
+        raise SweepError(f"cannot check the lines with mnist_ddp.py's options ({err}): run sweep.py with the interpreter "
+                         "that trains, e.g. .venv/bin/python sweep.py, or activate its environment") from None
+    from ddpkit.launch import UsageError
+    from ddpkit.options import parse_options
+    for number, name, args in zip(line_numbers(sweep_file), names_of(runs), runs, strict=True):
+        try:
+            # argparse prints --help (or a prefix of it, --he) and exits: not a run.
+            with contextlib.redirect_stdout(io.StringIO()):
+                parse_options(mnist_ddp.Recipe, [*args, "--log-dir", str(sweep_dir), "--run-name", name], mnist_ddp.__doc__)
+        except UsageError as err:
+            message = str(err).replace("(see --help)", "(python mnist_ddp.py --help lists the options)")
+            raise SweepError(f"{sweep_file}:{number}: {message}") from None
+        except SystemExit:
+            raise SweepError(f"{sweep_file}:{number}: --help trains nothing; delete it from the line") from None
 
 
 SUBMITTED = "submitted"  # in a sweep directory: the sbatch command lines `submit` ran
@@ -219,6 +152,7 @@ def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
     from stays: a file with other lines is refused; one that nothing ran from is replaced."""
     runs = read_lines(sweep_file)
     sweep_dir = sweep_dir_for(sweep_file, Path(os.environ.get("LOG_DIR", "runs")))
+    check_lines(sweep_file, runs, sweep_dir)
     copy = sweep_dir / "sweep.txt"
     if copy.exists() and frozen_lines(copy) != runs:
         if ever_started(sweep_dir):
@@ -245,9 +179,28 @@ def submit(sweep_file: Path, parallel: int, sbatch_options: list[str]) -> int:
     env = {"SWEEP_FILE": str((sweep_dir / "sweep.txt").resolve()), "LOG_DIR": str(sweep_dir.resolve())}
     line = " ".join([*(f"{name}={shlex.quote(value)}" for name, value in env.items()), shlex.join(cmd)])
     print(f"{len(runs)} runs in {sweep_dir}: {line}", flush=True)
-    with open(sweep_dir / SUBMITTED, "a") as record:  # from now on sweep.txt stays: queued tasks will read it
+    # The sweep counts as submitted once sbatch says it queued the array (its job id), or
+    # ends with 0 (--quiet says nothing): from then on sweep.txt stays, since queued tasks
+    # will read it. An sbatch that refused it records nothing, so the fixed command works.
+    recorded = False
+    with subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True) as sbatch:
+        for output in sbatch.stdout:  # (with --wait, sbatch ends only when the tasks have)
+            print(output, end="", flush=True)
+            if not recorded and re.fullmatch(r"Submitted batch job \d+.*|\d+(;\S+)?", output.strip()):
+                record_submission(sweep_dir, line)
+                recorded = True
+    if not recorded and sbatch.returncode == 0:
+        record_submission(sweep_dir, line)
+        recorded = True
+    if not recorded:
+        raise SweepError(f"sbatch submitted nothing (exit {sbatch.returncode}, its message above); no submission is "
+                         "recorded, so once what it names is fixed, submit again")
+    return sbatch.returncode
+
+
+def record_submission(sweep_dir: Path, line: str) -> None:
+    with open(sweep_dir / SUBMITTED, "a") as record:
         record.write(line + "\n")
-    return subprocess.run(cmd, env={**os.environ, **env}).returncode
 
 
 def run_locally(sweep_file: Path) -> int:
@@ -280,14 +233,6 @@ def run_locally(sweep_file: Path) -> int:
     return 1 if failed else 0
 
 
-def task(sweep_file: Path, index: int) -> list[str]:
-    """For run_training.sbatch: the run name of array task `index`, then its options, one per line."""
-    runs = read_lines(sweep_file)
-    if not 0 <= index < len(runs):
-        raise SweepError(f"array task {index} has no line in {sweep_file} ({len(runs)} runs): submit with --array=0-{len(runs) - 1}")
-    return [names_of(runs)[index], *runs[index]]
-
-
 # ----------------------------------------------------------------------------- summary
 
 STATES = {0: "done", 1: "failed (exit 1: a bug)", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)",
@@ -313,9 +258,31 @@ def run_state(run_dir: Path) -> str:
     if code_file.exists():
         code = int(code_file.read_text().strip() or 1)
         return exit_state(code)
-    started = run_dir / "run.json"  # mnist_ddp.py writes it as each attempt starts
-    requeues = json.loads(started.read_text())["environment"].get("slurm_requeues", 0) if started.exists() else 0
+    requeues = requeues_of(run_dir / "run.json")
     return f"requeued ({requeues}x), running" if requeues else "running"
+
+
+def requeues_of(started: Path) -> int:
+    """How often Slurm requeued a run, from the run.json that mnist_ddp.py writes as each
+    attempt starts: 0 without one. One that cannot tell (empty, cut short by a crash, or
+    written by an older version) is named on stderr and counts as 0: the summary goes on."""
+    try:
+        text = started.read_text(errors="replace")
+    except FileNotFoundError:
+        return 0
+    except OSError as err:
+        return unreadable(started, f"cannot read it ({err.strerror})")
+    try:
+        return int(json.loads(text)["environment"].get("slurm_requeues") or 0)
+    except ValueError:
+        return unreadable(started, "empty" if not text.strip() else "not whole JSON (cut short?)")
+    except (KeyError, TypeError, AttributeError):
+        return unreadable(started, "not in the format this sweep.py reads (an older version wrote it?)")
+
+
+def unreadable(path: Path, reason: str) -> int:
+    print(f"{PROG}: warning: {path}: {reason}; that run's requeues are not counted", file=sys.stderr)
+    return 0
 
 
 def collect(sweep_dir: Path) -> list[dict]:
@@ -372,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("summary", help="the runs of a sweep directory, best first")
     p.add_argument("sweep_dir", type=Path)
     p.add_argument("--json", action="store_true", help="the same data as JSON")
-    p = commands.add_parser("task", help="(for run_training.sbatch) the run name and options of one array task")
+    p = commands.add_parser("task", help="the run name and options of one array task, as run_training.sbatch reads them "
+                            "(with ddpkit/sweeplines.py)")
     p.add_argument("sweep_file", type=Path)
     p.add_argument("index", type=int)
     # grid's options and submit's sbatch options are not ours to know: they come back unparsed.

@@ -16,4 +16,5 @@ data, the model or the training step; mnist_ddp.py holds those.
   runlog.py        stdout, metrics.jsonl, TensorBoard (scalars, pictures, HParams)
   training_run.py  TrainingRun: what happens around each step and epoch (checkpoints, stops, logs)
   jobs.py          the job runner: start-up, the run's start, every ending as an exit code, teardown
+  sweeplines.py    a sweep file's lines and run names, for sweep.py and run_training.sbatch (Python 3.6, standard library)
 """

@@ -10,6 +10,7 @@ a command that a message prints is run as printed.
 """
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from test_sweep import hparams_sessions, run_sweep
 
-from conftest import clean_env
+from conftest import ROOT, clean_env
 
 BIN = Path(sys.executable).parent
 NO_SLURM = str(BIN)  # a PATH without sbatch: `submit` checks and copies, and can reach no cluster
@@ -73,6 +74,18 @@ def test_a_hash_starts_a_comment_anywhere_and_quoted_values_keep_theirs(tmp_path
         assert (tmp_path / data_dir).is_dir()
 
 
+def test_what_the_batch_file_runs_on_the_host_needs_nothing_newer_than_python_3_6():
+    """run_training.sbatch reads a sweep file's line with the host's python3 (the ranks' PYTHON
+    may exist only in a container), which may be 3.6 (RHEL 8): every file it runs with
+    python3 uses nothing newer, as vermin reads them."""
+    batch_file = (ROOT / "run_training.sbatch").read_text()
+    host_files = re.findall(r'\bpython3 "\$PROJECT_DIR/([\w/.-]+\.py)"', batch_file)
+    assert host_files == ["ddpkit/sweeplines.py"], host_files
+    result = subprocess.run([str(BIN / "vermin"), "--target=3.6-", "--no-tips", "--violations", *host_files], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # ----------------------------------------------------------------------------- files that are not sweep files
 
 def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path):
@@ -110,16 +123,38 @@ def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path)
 # ----------------------------------------------------------------------------- running and re-running a sweep
 
 def test_sweep_run_records_each_exit_code_so_a_bad_option_shows_as_failed(tmp_path):
-    """A line with a bad value stops mnist_ddp.py before it makes its run directory; the
-    summary still shows it failed with its exit code, as under Slurm, not pending."""
-    (tmp_path / "bad.txt").write_text("--lr -1 --epochs 1 --max-steps 2\n--lr 3e-3 --epochs 1 --max-steps 2\n")
+    """A line whose data is missing passes the options' checks but stops mnist_ddp.py before
+    it makes its run directory; the summary still shows it failed with its exit code, as
+    under Slurm, not pending."""
+    (tmp_path / "bad.txt").write_text("--lr 1e-3 --dataset folder --data-dir nowhere --epochs 1 --max-steps 2\n"
+                                      "--lr 3e-3 --epochs 1 --max-steps 2\n")
     result = run_sweep(["run", "bad.txt"], tmp_path)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert "mnist_ddp.py: error: --lr must be a positive number, got -1.0" in result.stderr
-    assert result.stderr.endswith("sweep.py: 1 of 2 runs failed: lr=-1 (exit 2)\n")
+    assert "mnist_ddp.py: error: --data-dir nowhere does not exist" in result.stderr
+    failed = "lr=1e-3,dataset=folder,data-dir=nowhere"
+    assert result.stderr.endswith(f"sweep.py: 1 of 2 runs failed: {failed} (exit 2)\n")
     sweep_dir = tmp_path / "runs" / "bad"
-    assert summary_states(sweep_dir, "lr") == {"-1": "failed (exit 2: usage)", "3e-3": "done"}
-    assert [(sweep_dir / run / "exit-code").read_text() for run in ("lr=-1", "lr=3e-3")] == ["2\n", "0\n"]
+    assert summary_states(sweep_dir, "lr") == {"1e-3": "failed (exit 2: usage)", "3e-3": "done"}
+    assert [(sweep_dir / run / "exit-code").read_text() for run in (failed, "lr=3e-3")] == ["2\n", "0\n"]
+
+
+def test_every_line_is_checked_with_the_scripts_own_options_before_anything_is_written(tmp_path):
+    """A misspelt option, or a value mnist_ddp.py refuses, on any line: run and submit say
+    so in one line that names the line and the problem, exit 2, and write, run and submit
+    nothing."""
+    for bad, error in (("--lrr 1e-3", "unrecognized arguments: --lrr 1e-3 (python mnist_ddp.py --help lists the options)"),
+                       ("--epochs 0", "--epochs must be at least 1, got 0"),
+                       ("--lr -1", "--lr must be a positive number, got -1.0"),
+                       ("--model vgg", "argument --model: invalid choice: 'vgg' (choose from "),
+                       ("--he", "--help trains nothing; delete it from the line")):
+        (tmp_path / "typo.txt").write_text(f"--lr 3e-3 --max-steps 2 --epochs 1\n# the second run\n"
+                                           f"--max-steps 2 --epochs 1 {bad}\n")
+        for command in (["run", "typo.txt"], ["submit", "typo.txt"]):
+            result = run_sweep(command, tmp_path, PATH=NO_SLURM)
+            assert (result.returncode, result.stdout) == (2, ""), (bad, command, result.stdout[-2000:])
+            assert result.stderr.startswith(f"sweep.py: error: typo.txt:3: {error}"), (bad, command, result.stderr[-2000:])
+            assert result.stderr.count("\n") == 1, result.stderr
+            assert not (tmp_path / "runs").exists(), "something was written before the check"
 
 
 def test_a_refused_file_can_be_fixed_and_a_copy_that_nothing_ran_from_is_replaced(tmp_path):
@@ -203,6 +238,56 @@ def test_summary_reads_past_a_torn_metrics_line(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
     assert [(r["run"], r["epochs"], r["test_accuracy"]) for r in rows] == [("lr=1e-3", 1, 0.9)]
+
+
+def test_summary_names_a_run_json_that_is_empty_torn_or_of_an_older_format_and_goes_on(tmp_path):
+    """run.json says how often a running run was requeued. One that is empty, cut short, or
+    written in another shape is named in one warning line each, and the table still lists
+    every run."""
+    sweep_dir = tmp_path / "runs" / "odd"
+    contents = {"empty": "", "torn": '{"config": {"lr": 0.001}, "environ', "older": '{"config": {}}', "list": "[1, 2]",
+                "whole": json.dumps({"config": {}, "environment": {"slurm_requeues": 2}})}
+    for name, text in contents.items():
+        (sweep_dir / name).mkdir(parents=True)
+        (sweep_dir / name / "metrics.jsonl").write_text("")
+        (sweep_dir / name / "run.json").write_text(text)
+    for args in (["summary", str(sweep_dir)], ["summary", str(sweep_dir), "--json"]):
+        result = run_sweep(args, tmp_path)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        warnings = result.stderr.splitlines()
+        assert len(warnings) == 4 and all(line.startswith("sweep.py: warning: ") for line in warnings), warnings
+        for name in ("empty", "torn", "older", "list"):
+            assert sum(f"{sweep_dir / name / 'run.json'}: " in line for line in warnings) == 1, (name, warnings)
+    states = {row["run"]: row["state"] for row in json.loads(result.stdout)}
+    assert states == {"empty": "running", "torn": "running", "older": "running", "list": "running",
+                      "whole": "requeued (2x), running"}
+
+
+def test_run_json_is_replaced_whole_so_a_kill_while_writing_it_leaves_the_last_one(tmp_path):
+    """A run is continued, and its process is SIGKILLed half way through writing run.json
+    at the start: the file still holds the last attempt's JSON, and the summary reads it."""
+    from test_nothing_lost import run_driver
+
+    from conftest import run_single
+
+    args = ["--log-dir", "runs/k", "--run-name", "lr=1e-3", "--epochs", "1", "--max-steps", "2"]
+    first = run_single(args, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_json = tmp_path / "runs" / "k" / "lr=1e-3" / "run.json"
+    before = run_json.read_text()
+    die_half_way = ("import pathlib\nreal_write_text = pathlib.Path.write_text\n"
+                    "def write_half_then_die(self, text, *args, **kwargs):\n"
+                    "    if 'run.json' in self.name:\n"
+                    "        real_write_text(self, text[: len(text) // 2], *args, **kwargs)\n"
+                    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                    "    return real_write_text(self, text, *args, **kwargs)\n"
+                    "pathlib.Path.write_text = write_half_then_die\n")
+    killed = run_driver(die_half_way, [*args[:-1], "4", "--allow-changes"], tmp_path)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert run_json.read_text() == before
+    result = run_sweep(["summary", str(tmp_path / "runs" / "k"), "--json"], tmp_path)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert [row["state"] for row in json.loads(result.stdout)] == ["running"]
 
 
 def test_ctrl_c_in_a_local_sweep_lets_the_run_save_and_the_printed_line_goes_on(tmp_path):
