@@ -30,9 +30,10 @@ def quote_words(words: List[str]) -> str:
 
 
 def command(*args: object) -> str:
-    """A sweep.py command line for a message, quoted so that it works when pasted."""
+    """A sweep.py command line for a message, quoted so that it works when pasted: it starts
+    with the interpreter that runs now (a bare `python` may be missing, or lack torch)."""
     script = sys.argv[0] if os.path.basename(sys.argv[0]) == PROG else PROG
-    return "python " + quote_words([script, *map(str, args)])
+    return quote_words([sys.executable or "python3", script] + [str(arg) for arg in args])
 
 
 RUN_DIR_OPTIONS = ("--run-name", "--run-dir", "--log-dir")  # the sweep sets them: LOG_DIR/<sweep>/<run name>

@@ -30,9 +30,10 @@ def summary_states(sweep_dir: Path, option: str) -> dict[str, str]:
 
 
 def run_printed(message: str, marker: str, cwd: Path) -> subprocess.CompletedProcess:
-    """Run the command that follows `marker` in a message, as a user pastes it."""
+    """Run the command that follows `marker` in a message, as a user pastes it, with no
+    environment active (the venv's bin/ is not on the PATH)."""
     printed = message.split(marker, 1)[1].strip()
-    return subprocess.run(shlex.split(printed), cwd=cwd, env=clean_env(PATH=f"{BIN}:/usr/bin:/bin"),
+    return subprocess.run(shlex.split(printed), cwd=cwd, env=clean_env(PATH="/usr/bin:/bin"),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -104,7 +105,7 @@ def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
     example = missing.stderr.split("let grid write them, e.g. ", 1)[1]
     assert example.endswith(" > 'my sweep.txt'\n")
-    subprocess.run(["bash", "-c", example], cwd=tmp_path, env=clean_env(PATH=f"{BIN}:/usr/bin:/bin"), check=True, timeout=60)
+    subprocess.run(["bash", "-c", example], cwd=tmp_path, env=clean_env(PATH="/usr/bin:/bin"), check=True, timeout=60)
     written = run_sweep(["task", "my sweep.txt", "1"], tmp_path)
     assert (written.returncode, written.stdout) == (0, "lr=3e-3\n--lr\n3e-3\n--epochs\n4\n"), written.stderr
     # A sweep directory where a sweep file goes: the message names the command for its table,
@@ -113,7 +114,7 @@ def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path)
     assert run_sweep(["submit", "lr.txt"], tmp_path, PATH=NO_SLURM, LOG_DIR="my runs").returncode == 2  # no sbatch here
     result = run_sweep(["run", "my runs/lr"], tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("sweep.py: error: my runs/lr is a directory, not a sweep file; "
-                                                               "the table of its runs: python "), result.stderr
+                                                               f"the table of its runs: {shlex.quote(sys.executable)} "), result.stderr
     table = run_printed(result.stderr, "the table of its runs: ", tmp_path)
     assert table.returncode == 0, table.stderr
     assert [line.split()[1:2] + line.split()[-2:] for line in table.stdout.splitlines()[1:]] == [
