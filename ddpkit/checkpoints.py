@@ -1,9 +1,12 @@
 """Checkpoints and resume: atomic saves, the run's Progress, rotation, setting aside the
-checkpoints a run no longer continues, and choosing and loading the one to resume from.
+checkpoints a run no longer continues, and choosing, checking and loading the one to resume from.
 
-A checkpoint holds plain dicts: the options it was written with, the state_dict of each
-thing the recipe names ("model", "optimizer", "average"), Progress, and each rank's own
-state (RNGs, the epoch's partial loss sums)."""
+A checkpoint holds plain dicts: the options it was written with, the classes and the
+images' shape it was trained on, the state_dict of each thing the recipe names ("model",
+"optimizer", "average"), Progress, and each rank's own state (RNGs, the epoch's partial
+loss sums). It is checkpoints/ckpt-<step, 8 digits>.pt: a file of another name there (a
+copy a user made, ckpt-best.pt) is theirs, and --resume auto, rotation and setting aside
+leave it alone."""
 
 import contextlib
 import dataclasses
@@ -81,6 +84,7 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
 
 
 CKPT_FORMAT = 1
+CKPT_NAME = "ckpt-{:08d}.pt"  # the one name of the checkpoint of each step
 
 
 @dataclass
@@ -110,28 +114,30 @@ def weights_are_finite(state: Mapping[str, object]) -> bool:
 
 
 # The checkpoint's own keys; the recipe's state goes beside them, each under its name.
-RESERVED = frozenset(("format", "config", "classes", "world_size", "progress", "rank_states"))
+RESERVED = frozenset(("format", "config", "classes", "shape", "world_size", "progress", "rank_states"))
 
 
 def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], state: Mapping[str, object], rt: Runtime,
-                    progress: Progress, loss_sum: torch.Tensor, keep: int) -> Path:
+                    progress: Progress, loss_sum: torch.Tensor, keep: int, *,
+                    shape: tuple[int, int, int] | None = None) -> Path:
     """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
     the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
-    is saved as its state_dict under its name."""
+    is saved as its state_dict under its name; `shape` is the images' (C, H, W)."""
     taken = RESERVED.intersection(state)
     if taken:
         raise ValueError(f"a checkpoint keeps its own {', '.join(sorted(taken))} under that name: give the recipe's "
                          "state another name")
     states = gather_to_all(rank_state(loss_sum, rt.device), "the gather of each rank's state")
-    path = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
+    path = checkpoint_path(run_dir, progress.step)
     if rt.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes), "world_size": rt.world_size,
+        save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes),
+                     **({} if shape is None else {"shape": list(shape)}), "world_size": rt.world_size,
                      **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         # The newest `keep` up to this step; a later one is the file a rewound run resumed
         # from, which set_aside_checkpoints moves away once this one is safe.
-        ours = [p for p in sorted(path.parent.glob("ckpt-*.pt")) if checkpoint_step(p) <= progress.step]
+        ours = [p for p in run_checkpoints(run_dir) if checkpoint_step(p) <= progress.step]
         for old in ours[:-keep]:
             old.unlink(missing_ok=True)
     return path
@@ -146,7 +152,7 @@ def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path
     rollback made by mistake can still be undone by hand."""
     checkpoints = run_dir / "checkpoints"
     kept = Path(keep).resolve() if keep else None
-    later = [p for p in sorted(checkpoints.glob("ckpt-*.pt")) if checkpoint_step(p) >= step and p.resolve() != kept]
+    later = [p for p in run_checkpoints(run_dir) if checkpoint_step(p) >= step and p.resolve() != kept]
     if later:
         aside = checkpoints / "superseded" / f"{time.strftime('%Y%m%d-%H%M%S')}-going-on-from-step-{step}"
         aside.mkdir(parents=True, exist_ok=True)
@@ -155,19 +161,109 @@ def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path
     return later
 
 
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / CKPT_NAME.format(step)
+
+
 def checkpoint_step(path: Path) -> int:
-    """The step in a checkpoint's name (ckpt-00000120.pt: 120), -1 for another name."""
+    """The step in a checkpoint's name (ckpt-00000120.pt: 120), -1 for any name but the one
+    a run gives the checkpoint of that step: ckpt-best.pt, or ckpt-120.pt beside
+    ckpt-00000120.pt, is a user's copy, never taken for the run's own."""
     match = re.fullmatch(r"ckpt-(\d+)\.pt", path.name)
-    return int(match.group(1)) if match else -1
+    return int(match.group(1)) if match and path.name == CKPT_NAME.format(int(match.group(1))) else -1
+
+
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, by step (oldest first), not by name."""
+    folder = run_dir / "checkpoints"
+    found = [path for path in folder.iterdir() if checkpoint_step(path) >= 0] if folder.is_dir() else []
+    return sorted(found, key=checkpoint_step)
+
+
+def other_files(run_dir: Path) -> list[Path]:
+    """The files a user put in checkpoints/ (not named as the run's checkpoints; not the hidden
+    temporaries of saves, nor superseded/)."""
+    folder = run_dir / "checkpoints"
+    return sorted(path for path in folder.iterdir() if checkpoint_step(path) < 0 and not path.name.startswith(".")
+                  and not path.is_dir()) if folder.is_dir() else []
 
 
 def read_checkpoint(path: Path, device: torch.device | str) -> dict:
+    """The checkpoint in `path`, checked whole (check_checkpoint): ValueError if it is not one."""
     # weights_only: a file planted in a shared directory can hold tensors and plain
     # containers, nothing that runs code when unpickled.
     ckpt = torch.load(path, map_location=device, weights_only=True)
+    check_checkpoint(ckpt)
+    return ckpt
+
+
+# Progress's fields that a format-1 checkpoint may lack (it was written before they existed).
+PROGRESS_ADDED = ("finished",)
+RANK_STATE_KEYS = frozenset(("cpu_rng", "loss_sum", "cuda_rng"))
+
+
+def check_checkpoint(ckpt: object) -> None:
+    """Every field a resume reads, checked before any is used: a file that fails (a
+    damaged or hand-made one, or one a later version wrote with fields this one does not
+    know) raises ValueError naming the field, so that --resume auto skips it for the next
+    newest and --resume PATH refuses it in one line, instead of a traceback at every start."""
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise ValueError(f"not a mnist_ddp.py checkpoint of format {CKPT_FORMAT}")
-    return ckpt
+    missing = [key for key in ("config", "world_size", "progress", "rank_states") if key not in ckpt]
+    if missing:
+        raise ValueError(f"it has no {', '.join(missing)}")
+    if not (isinstance(ckpt["config"], dict) and all(isinstance(k, str) for k in ckpt["config"])):
+        raise ValueError("its config is not a dict of options")
+    classes = ckpt.get("classes")  # (none in checkpoints from before classes were saved)
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise ValueError("its classes are not a list of names")
+    shape = ckpt.get("shape")  # (none in checkpoints from before the images' shape was saved)
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 3 and all(is_count(n, 1) for n in shape)):
+        raise ValueError("its shape is not the images' [channels, height, width]")
+    if not is_count(ckpt["world_size"], 1):
+        raise ValueError(f"its world_size is {ckpt['world_size']!r}, not a count of ranks")
+    check_progress(ckpt["progress"])
+    states = ckpt["rank_states"]
+    if not (isinstance(states, list) and len(states) == ckpt["world_size"]):
+        raise ValueError(f"its rank_states are not a list of its {ckpt['world_size']} ranks' states")
+    for rank, state in enumerate(states):
+        if not (isinstance(state, dict) and state.keys() == RANK_STATE_KEYS and is_byte_tensor(state["cpu_rng"])
+                and (state["cuda_rng"] is None or is_byte_tensor(state["cuda_rng"]))
+                and isinstance(state["loss_sum"], torch.Tensor) and state["loss_sum"].shape == (2,)
+                and state["loss_sum"].dtype == torch.float64):
+            raise ValueError(f"its rank_states[{rank}] is not a rank's {', '.join(sorted(RANK_STATE_KEYS))}")
+    for name, saved in ckpt.items():  # the recipe's state, each a state_dict (None: the recipe had none)
+        if name not in RESERVED and not (saved is None or isinstance(saved, dict)):
+            raise ValueError(f"its {name} is a {type(saved).__name__}, not a state_dict")
+
+
+def is_count(value: object, least: int) -> bool:
+    return type(value) is int and value >= least  # (True is an int to isinstance)
+
+
+def is_byte_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def check_progress(saved: object) -> None:
+    """Progress's fields, exactly, each of its type (a format-1 checkpoint may lack PROGRESS_ADDED)."""
+    if not isinstance(saved, dict):
+        raise ValueError("its progress is not a dict")
+    fields = {f.name: f.type for f in dataclasses.fields(Progress)}
+    unknown = [k for k in saved if k not in fields]
+    missing = [k for k in fields if k not in saved and k not in PROGRESS_ADDED]
+    if unknown or missing:
+        raise ValueError("its progress has " + " and ".join(
+            ([f"field(s) this version does not know: {', '.join(map(str, unknown))}"] if unknown else [])
+            + ([f"no {', '.join(missing)}"] if missing else [])))
+    least = {"epoch": 1, "step_in_epoch": 0, "step": 0}
+    for name, value in saved.items():
+        kind = fields[name]  # int, bool or dict
+        if kind is int and not is_count(value, least[name]):
+            raise ValueError(f"its progress.{name} is {value!r:.80}, not a whole number from {least[name]} up")
+        if kind is not int and not (type(value) is kind and (kind is not dict or all(isinstance(k, str) for k in value))):
+            raise ValueError(f"its progress.{name} is {value!r:.80}, not a {kind.__name__}"
+                             + (" of metrics by name" if kind is dict else ""))
 
 
 def checkpoint_differences(ckpt: dict, recipe: dict) -> dict[str, str]:
@@ -204,7 +300,7 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
     """Rank 0 picks the checkpoint to resume from: the newest one that loads, falling back
     past damaged or refused files with a warning that names them. Also returns what
     --allow-changes let differ ("" if nothing)."""
-    found = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"), reverse=True)
+    found = run_checkpoints(run_dir)[::-1]  # the newest first
     if resume == "never":
         if found:
             raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
@@ -212,6 +308,12 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
         warn_if_starting_over(run_dir, [])
         return None, ""
     candidates = found if resume == "auto" else [Path(resume)]
+    theirs = other_files(run_dir) if resume == "auto" else []
+    if theirs:
+        names = ", ".join(path.name for path in theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+        print(f"note: --resume auto ignores {names} in {run_dir / 'checkpoints'}, not named as the run's checkpoints "
+              f"are ({CKPT_NAME.format(120)} for step 120); to resume from one of them, pass --resume PATH",
+              file=sys.stderr, flush=True)
     for path in candidates:
         try:
             ckpt = read_checkpoint(path, "cpu")
@@ -249,19 +351,15 @@ def run_is_done(progress: Progress, epochs: int, max_steps: int) -> bool:
 
 
 def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: int, max_steps: int,
-                classes: tuple[str, ...] | None = None) -> tuple[Progress, torch.Tensor]:
+                classes: tuple[str, ...] | None = None,
+                shape: tuple[int, int, int] | None = None) -> tuple[Progress, torch.Tensor]:
     """Load a checkpoint rank 0 chose into `state` (the recipe's model, optimizer, ...);
     returns where to go on and this rank's loss sums of the epoch in progress. A checkpoint
-    of other `classes` (another image folder) is refused."""
+    of other `classes` (another image folder) or of images of another `shape` is refused."""
     # Read onto the CPU: load_state_dict places each tensor beside its parameter (the fused
     # AdamW's step counts too, which its kernel reads on the parameters' device).
     ckpt = read_checkpoint(path, "cpu")
-    saved_classes = ckpt.get("classes")  # (none in checkpoints from before classes were saved)
-    if classes is not None and saved_classes is not None and list(saved_classes) != list(classes):
-        shown = lambda names: ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
-        raise UsageError(f"checkpoint {path} was trained on other classes ({shown(saved_classes)}) than this data has "
-                         f"({shown(list(classes))}): pass the data it was trained on, or another --run-name to start "
-                         "afresh")
+    refuse_other_data(path, ckpt, classes, shape)
     for name, thing in state.items():
         if thing is None:
             continue
@@ -295,11 +393,42 @@ def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: in
     return progress, loss_sum
 
 
+def refuse_other_data(path: Path, ckpt: dict, classes: tuple[str, ...] | None,
+                      shape: tuple[int, int, int] | None) -> None:
+    """Data other than the checkpoint was trained on is refused in one line that says what
+    differs: other classes would silently relabel it, another image size or channel count
+    would read as a change to the model's code. (A checkpoint from before the classes or the
+    shape were saved is not compared on them.)"""
+    saved_classes = ckpt.get("classes")
+    if classes is not None and saved_classes is not None and list(saved_classes) != list(classes):
+        shown = lambda names: ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        raise UsageError(f"checkpoint {path} was trained on other classes ({shown(saved_classes)}) than this data has "
+                         f"({shown(list(classes))}): pass the data it was trained on, or another --run-name to start "
+                         "afresh")
+    saved_shape = ckpt.get("shape")
+    if shape is None or saved_shape is None or list(saved_shape) == list(shape):
+        return
+    (c0, h0, w0), (c, h, w) = saved_shape, shape
+    # Image folders (imagesets.check_headers) are read in colour when any one image is.
+    why, what = "", ""
+    if (c0, c) == (1, 3):
+        why, what = " (an image folder is read in colour when any one of its images is in colour)", " (every image grayscale)"
+    elif (c0, c) == (3, 1):
+        why = " (an image folder is read in grayscale when every one of its images is)"
+    if (h0, w0) != (h, w):
+        what = f" (its images {w0}x{h0} pixels)"
+    raise UsageError(f"checkpoint {path} was trained on images of {c0}x{h0}x{w0} (channels x height x width) and this "
+                     f"data's are {c}x{h}x{w}{why}: pass the data it was trained on{what}, or another --run-name to "
+                     "start afresh")
+
+
 def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """The optimizer's state from the checkpoint, and its hyperparameters from the options
-    given now (--allow-changes decided whether they may differ: weight decay, betas), except
-    the learning rate, which stays where the schedule had taken it (the next step sets it)."""
-    given = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+    """The optimizer's state from the checkpoint, and each parameter group's hyperparameters
+    as the optimizer is built now (--allow-changes decided whether they may differ: weight
+    decay, betas, the peak learning rate that the schedule scales, "initial_lr"), except the
+    learning rate itself, which stays where the schedule had taken it (the next step sets it)."""
+    given = [{**{k: v for k, v in group.items() if k not in ("params", "lr")}, "initial_lr": group.get("initial_lr", group["lr"])}
+             for group in optimizer.param_groups]
     try:
         optimizer.load_state_dict(saved)
     except ValueError as err:  # its parameter groups differ: the optimizer's code changed

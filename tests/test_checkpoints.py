@@ -1,23 +1,33 @@
 """ddpkit/checkpoints.py, at unit level with real files and torch.save/torch.load: atomic
 saves that fail for real (an object pickle refuses, a full tmpfs), the temporaries of saves
-that never finished, checkpoint names, setting later checkpoints aside, rotation, the
-choice of the checkpoint to resume from (damaged files, other options, --allow-changes,
---resume never), and loading one into a model and optimizer (shapes that differ, the
-hyperparameters given now).
+that never finished, checkpoint names (by step, never by name; a user's copy under another
+name left alone), setting later checkpoints aside, rotation, the choice of the checkpoint to
+resume from (damaged files, every field checked, other options, --allow-changes, --resume
+never), and loading one into a model and optimizer (shapes that differ, other classes or
+images, the hyperparameters given now). End to end, with real runs: a copy a user put in
+checkpoints/, a newest checkpoint with a missing or unknown field, and a resume on images of
+another channel count or size.
 
     python -m pytest tests/test_checkpoints.py
 """
 
 import dataclasses
 import errno
+import os
 import re
+import shlex
+import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from PIL import Image
 
+from conftest import assert_ok, clean_env, make_image_folder, run_single
 from ddpkit.checkpoints import (
     Progress,
     checkpoint_differences,
@@ -31,7 +41,7 @@ from ddpkit.checkpoints import (
     set_aside_checkpoints,
 )
 from ddpkit.distributed import Runtime
-from ddpkit.launch import UsageError
+from ddpkit.launch import EXIT_STOPPED, UsageError
 
 ONE = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
 RECIPE = {"epochs": 3, "lr": 0.1, "seed": 0}
@@ -52,13 +62,14 @@ def take_a_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def save(run_dir, step: int, recipe: dict = RECIPE, keep: int = 10, state: dict | None = None,
-         loss_sum: torch.Tensor | None = None, classes: tuple[str, ...] = ("cat", "dog")):
+         loss_sum: torch.Tensor | None = None, classes: tuple[str, ...] = ("cat", "dog"),
+         shape: tuple[int, int, int] | None = None):
     if state is None:
         model, optimizer = model_and_optimizer()
         state = {"model": model, "optimizer": optimizer, "average": None}
     loss_sum = torch.zeros(2, dtype=torch.float64) if loss_sum is None else loss_sum
     return save_checkpoint(run_dir, recipe, classes, state, ONE, Progress(epoch=1, step_in_epoch=step, step=step), loss_sum,
-                           keep)
+                           keep, shape=shape)
 
 
 def names(folder) -> list[str]:
@@ -111,6 +122,8 @@ def test_a_save_that_fills_the_disk_names_the_file_and_cleans_up(full_disk):
 @pytest.mark.parametrize("name, step", [
     ("ckpt-00000120.pt", 120), ("ckpt-00000000.pt", 0), ("ckpt-123456789.pt", 123456789),
     ("model.pt", -1), ("ckpt-00000120.pt.bak", -1), (".ckpt-00000120.pt.tmp-77", -1), ("ckpt-12a.pt", -1),
+    # Names a user gives a copy: only the name a run writes for a step is that step's checkpoint.
+    ("ckpt-best.pt", -1), ("ckpt-120.pt", -1), ("ckpt-0000000120.pt", -1), ("ckpt-00000120 copy.pt", -1),
 ])
 def test_checkpoint_step(tmp_path, name, step):
     assert checkpoint_step(tmp_path / name) == step
@@ -256,6 +269,87 @@ def test_no_checkpoint_starts_afresh_and_says_so_when_logs_are_there(tmp_path, c
                                        "loads: starting the run over from step 0, replacing its logged epochs\n")
 
 
+def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path):
+    """By name, ckpt-99999999.pt comes after ckpt-100000000.pt: the step number decides."""
+    save(tmp_path, 99_999_999)
+    newest = save(tmp_path, 100_000_000)
+    assert find_checkpoint("auto", False, RECIPE, CHANGEABLE, tmp_path) == (newest, "")
+    save(tmp_path, 100_000_001, keep=2)
+    assert names(tmp_path / "checkpoints") == ["ckpt-100000000.pt", "ckpt-100000001.pt"]
+
+
+def test_a_users_copy_in_checkpoints_is_never_picked_rotated_counted_or_set_aside(tmp_path, capsys):
+    checkpoints = tmp_path / "checkpoints"
+    first = save(tmp_path, 2)
+    for name in ("ckpt-best.pt", "ckpt-4.pt", "notes.txt"):  # ckpt-4.pt: a second name for step 4
+        shutil.copy(first, checkpoints / name)
+    newest = save(tmp_path, 4, keep=1)
+    assert names(checkpoints) == ["ckpt-00000004.pt", "ckpt-4.pt", "ckpt-best.pt", "notes.txt"]
+    assert find_checkpoint("auto", False, RECIPE, CHANGEABLE, tmp_path) == (newest, "")
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: --resume auto ignores ckpt-4.pt, ckpt-best.pt, notes.txt in {checkpoints}, not named as the run's "
+        "checkpoints are (ckpt-00000120.pt for step 120); to resume from one of them, pass --resume PATH"]
+    assert set_aside_checkpoints(tmp_path, 0) == [newest]
+    assert names(checkpoints) == ["ckpt-4.pt", "ckpt-best.pt", "notes.txt", "superseded"]
+    assert find_checkpoint("never", False, RECIPE, CHANGEABLE, tmp_path) == (None, "")  # no checkpoint of the run's
+    best = checkpoints / "ckpt-best.pt"
+    assert find_checkpoint(str(best), False, RECIPE, CHANGEABLE, tmp_path) == (best, "")
+
+
+def broken_progress(**fields):
+    return lambda ckpt: {**ckpt, "progress": {**ckpt["progress"], **fields}}
+
+
+# Each a change to a real checkpoint, and what the warning says of it.
+BROKEN = {
+    "its-format-alone": (lambda ckpt: {"format": 1}, "it has no config, world_size, progress, rank_states"),
+    "a-progress-field-added-later": (broken_progress(warmup_done=True),
+                                     "its progress has field(s) this version does not know: warmup_done"),
+    "no-step": (lambda ckpt: {**ckpt, "progress": {k: v for k, v in ckpt["progress"].items() if k != "step"}},
+                "its progress has no step"),
+    "a-step-in-text": (broken_progress(step="4"), "its progress.step is '4', not a whole number from 0 up"),
+    "epoch-0": (broken_progress(epoch=0), "its progress.epoch is 0, not a whole number from 1 up"),
+    "finished-as-a-number": (broken_progress(finished=1), "its progress.finished is 1, not a bool"),
+    "a-record-list": (broken_progress(last_record=[]), "its progress.last_record is [], not a dict of metrics by name"),
+    "config-list": (lambda ckpt: {**ckpt, "config": []}, "its config is not a dict of options"),
+    "classes-text": (lambda ckpt: {**ckpt, "classes": "cat,dog"}, "its classes are not a list of names"),
+    "shape-of-2": (lambda ckpt: {**ckpt, "shape": [28, 28]}, "its shape is not the images' [channels, height, width]"),
+    "world-size-true": (lambda ckpt: {**ckpt, "world_size": True}, "its world_size is True, not a count of ranks"),
+    "one-rank-state-of-2": (lambda ckpt: {**ckpt, "world_size": 2},
+                            "its rank_states are not a list of its 2 ranks' states"),
+    "a-rank-state-without-loss-sum": (
+        lambda ckpt: {**ckpt, "rank_states": [{k: v for k, v in ckpt["rank_states"][0].items() if k != "loss_sum"}]},
+        "its rank_states[0] is not a rank's cpu_rng, cuda_rng, loss_sum"),
+    "a-model-that-is-no-state-dict": (lambda ckpt: {**ckpt, "model": torch.zeros(3)},
+                                      "its model is a Tensor, not a state_dict"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_checkpoint_with_any_field_wrong_is_skipped_by_auto_and_refused_by_path(tmp_path, capsys, case):
+    change, reason = BROKEN[case]
+    good = save(tmp_path, 2)
+    newest = save(tmp_path, 4)
+    torch.save(change(torch.load(newest, weights_only=True)), newest)
+    assert find_checkpoint("auto", False, RECIPE, CHANGEABLE, tmp_path) == (good, "")
+    assert capsys.readouterr().err.splitlines() == [f"warning: skipping checkpoint {newest}: {reason}"]
+    with pytest.raises(UsageError) as refused:
+        find_checkpoint(str(newest), False, RECIPE, CHANGEABLE, tmp_path)
+    assert str(refused.value) == f"cannot resume from {newest}: {reason}"
+
+
+def test_a_checkpoint_from_before_classes_shape_and_finished_were_saved_still_loads(tmp_path):
+    path = save(tmp_path, 2)
+    old = torch.load(path, weights_only=True)
+    del old["classes"], old["progress"]["finished"]  # (and it has no shape)
+    torch.save(old, path)
+    model, optimizer = model_and_optimizer()
+    assert find_checkpoint("auto", False, RECIPE, CHANGEABLE, tmp_path) == (path, "")
+    progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3,
+                              max_steps=0, classes=("cat", "dog"), shape=(1, 28, 28))
+    assert progress == Progress(epoch=1, step_in_epoch=2, step=2, finished=False)
+
+
 # ----------------------------------------------------------------------------- resume_from
 
 def test_resume_from_loads_each_thing_by_name(tmp_path):
@@ -313,6 +407,23 @@ def test_resume_from_refuses_a_checkpoint_of_other_classes(tmp_path):
     assert progress.step == 2
 
 
+@pytest.mark.parametrize("here, says", [
+    ((3, 28, 28), "3x28x28 (an image folder is read in colour when any one of its images is in colour): pass the data it "
+                  "was trained on (every image grayscale)"),
+    ((1, 32, 32), "1x32x32: pass the data it was trained on (its images 28x28 pixels)"),
+], ids=["3-channels", "32x32"])
+def test_resume_from_refuses_images_of_another_shape_in_one_line(tmp_path, here, says):
+    """Before the model's shapes are compared: it is the data that changed, not the code."""
+    path = save(tmp_path, 2, shape=(1, 28, 28))
+    model, optimizer = model_and_optimizer()
+    state = {"model": model, "optimizer": optimizer, "average": None}
+    with pytest.raises(UsageError) as refused:
+        resume_from(path, state, ONE, epochs=3, max_steps=0, shape=here)
+    assert str(refused.value) == (f"checkpoint {path} was trained on images of 1x28x28 (channels x height x width) and "
+                                  f"this data's are {says}, or another --run-name to start afresh")
+    assert resume_from(path, state, ONE, epochs=3, max_steps=0, shape=(1, 28, 28))[0].step == 2
+
+
 def test_a_checkpoint_from_before_an_option_existed_is_compared_on_what_it_knew():
     """A run saved when --batch-size was 128 per rank and --global-batch did not exist:
     the refusal says to pass --batch-size 128, and with it the run goes on."""
@@ -320,3 +431,87 @@ def test_a_checkpoint_from_before_an_option_existed_is_compared_on_what_it_knew(
     assert checkpoint_differences(old, {"global_batch": 128, "batch_size": 0, "lr": 0.003}) == {
         "batch_size": "--batch-size 128 there, 0 here"}
     assert checkpoint_differences(old, {"global_batch": 128, "batch_size": 128, "lr": 0.003}) == {}
+
+
+# ----------------------------------------------------------------------------- end to end, with real runs
+
+def printed_command(text: str, marker: str) -> list[str]:
+    return shlex.split(text[text.index(marker) + len(marker):].splitlines()[0])
+
+
+def run_as_pasted(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """A printed command as a user pastes it, in a shell whose PATH starts with this environment's bin/."""
+    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_copy_put_in_checkpoints_neither_wins_nor_is_lost(workdir):
+    """A copy of step 10 as ckpt-best.pt and as ckpt-26.pt (beside the run's own step 26): the
+    printed continue line resumes from step 26, sets nothing aside, says once that the copies
+    are ignored, and leaves them; run again when finished, it trains nothing."""
+    first = run_single(["--epochs", "2", "--ckpt-every", "10", "--run-name", "cb1", "--interrupt-at", "25:USR1"],
+                       cwd=workdir)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    checkpoints = workdir / "runs" / "cb1" / "checkpoints"
+    step_10 = (checkpoints / "ckpt-00000010.pt").read_bytes()
+    for name in ("ckpt-best.pt", "ckpt-26.pt"):
+        shutil.copy(checkpoints / "ckpt-00000010.pt", checkpoints / name)
+    command = printed_command(first.stdout, "to continue: ")
+    again = run_as_pasted(command, workdir)
+    assert_ok(again)
+    assert "resumed from runs/cb1/checkpoints/ckpt-00000026.pt: epoch 1, step 26 " in again.stdout
+    assert not (checkpoints / "superseded").exists()
+    assert [line for line in again.stderr.splitlines() if "ckpt-best.pt" in line] == [
+        "note: --resume auto ignores ckpt-26.pt, ckpt-best.pt in runs/cb1/checkpoints, not named as the run's "
+        "checkpoints are (ckpt-00000120.pt for step 120); to resume from one of them, pass --resume PATH"]
+    own = [name for name in names(checkpoints) if re.fullmatch(r"ckpt-\d{8}\.pt", name)]
+    assert len(own) == 3  # --keep-ckpts 3, the copies not counted
+    assert [(checkpoints / name).read_bytes() == step_10 for name in ("ckpt-best.pt", "ckpt-26.pt")] == [True, True]
+    model = (workdir / "runs" / "cb1" / "model.pt").read_bytes()
+    done = run_as_pasted(command, workdir)
+    assert_ok(done)
+    assert "runs/cb1 is already complete (epoch 2, " in done.stdout
+    assert (workdir / "runs" / "cb1" / "model.pt").read_bytes() == model
+
+
+@pytest.mark.parametrize("case", ["its-format-alone", "a-progress-field-added-later"])
+def test_a_newest_checkpoint_with_a_missing_or_unknown_field_falls_back_to_the_one_before(workdir, case):
+    change, reason = BROKEN[case]
+    args = ["--epochs", "1", "--ckpt-every", "10", "--run-name", "f"]
+    assert run_single([*args, "--interrupt-at", "25:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    newest = workdir / "runs" / "f" / "checkpoints" / "ckpt-00000026.pt"
+    torch.save(change(torch.load(newest, weights_only=True)), newest)
+    again = run_single(args, cwd=workdir)
+    assert_ok(again)
+    assert f"warning: skipping checkpoint runs/f/checkpoints/ckpt-00000026.pt: {reason}" in again.stderr.splitlines()
+    assert "resumed from runs/f/checkpoints/ckpt-00000020.pt: epoch 1, step 20 " in again.stdout
+    assert list((newest.parent / "superseded").glob("*/ckpt-00000026.pt"))  # set aside, not deleted
+
+
+def grayscale_folder(root: Path, size: int) -> Path:
+    folder = make_image_folder(root, {"train": 8, "test": 4}, size=size)
+    for path in folder.rglob("*.png"):
+        Image.open(path).convert("L").save(path)
+    return folder
+
+
+@pytest.mark.parametrize("change", ["one-colour-image-added", "images-of-another-size"])
+def test_a_resume_on_images_of_another_shape_says_so_in_one_line(workdir, change):
+    folder = grayscale_folder(workdir / "gray", 12)
+    args = ["--dataset", "folder", "--epochs", "2", "--batch-size", "4", "--run-name", "img", "--image-every", "0"]
+    first = run_single([*args, "--data-dir", str(folder), "--interrupt-at", "3:USR1"], cwd=workdir)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    [saved] = (workdir / "runs" / "img" / "checkpoints").glob("ckpt-*.pt")
+    if change == "one-colour-image-added":  # imagesets reads the whole folder in colour then
+        Image.new("RGB", (12, 12), (200, 30, 30)).save(folder / "train" / "row" / "red.png")
+        says = ("3x12x12 (an image folder is read in colour when any one of its images is in colour): pass the data it "
+                "was trained on (every image grayscale)")
+    else:
+        folder = grayscale_folder(workdir / "larger", 16)
+        says = "1x16x16: pass the data it was trained on (its images 12x12 pixels)"
+    again = run_single([*args, "--data-dir", str(folder)], cwd=workdir)
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"mnist_ddp.py: error: checkpoint runs/img/checkpoints/{saved.name} was trained on images of 1x12x12 (channels x "
+        f"height x width) and this data's are {says}, or another --run-name to start afresh")
+    assert "Traceback" not in again.stderr
