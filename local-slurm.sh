@@ -29,6 +29,8 @@
 #   LOCAL_SLURM_PORT     slurmctld port; slurmd uses the next one  [6817]
 #   LOCAL_SLURM_SUBNET   first three octets of the namespaces' addresses  [10.231.7]
 #   LOCAL_SLURM_PREFIX   prefix of node and namespace names  [ls]
+#   LOCAL_SLURM_GPUS     fake GPUs each node advertises (Gres=gpu:N; no CUDA behind them),
+#                        to see what a job that asks for GPUs is given  [0]
 set -euo pipefail
 
 die() { echo "local-slurm.sh: $*" >&2; exit 2; }
@@ -101,8 +103,16 @@ KillWait=5
 SlurmdParameters=config_overrides
 EOF
     if [[ -n ${LOCAL_SLURM_CONF:-} ]]; then echo "$LOCAL_SLURM_CONF" >> "$DIR/slurm.conf"; fi
-    local line
-    for line in "$@"; do echo "$line RealMemory=$mem CPUs=$CPUS State=UNKNOWN" >> "$DIR/slurm.conf"; done
+    local line gres="" gpus=${LOCAL_SLURM_GPUS:-0} i
+    [[ $gpus =~ ^[0-9]$ ]] || die "LOCAL_SLURM_GPUS must be 0 to 9, got '$gpus'"
+    if (( gpus > 0 )); then  # fake GPUs: character devices (/dev/null's) that Slurm hands out
+        mkdir -p "$DIR/dev"
+        for ((i = 0; i < gpus; i++)); do [[ -e $DIR/dev/gpu$i ]] || mknod "$DIR/dev/gpu$i" c 1 3; done
+        echo "GresTypes=gpu" >> "$DIR/slurm.conf"
+        echo "Name=gpu File=$DIR/dev/gpu[0-$((gpus - 1))]" > "$DIR/gres.conf"
+        gres=" Gres=gpu:$gpus"
+    fi
+    for line in "$@"; do echo "$line$gres RealMemory=$mem CPUs=$CPUS State=UNKNOWN" >> "$DIR/slurm.conf"; done
     echo "PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$DIR/slurm.conf"
 }
 

@@ -23,6 +23,7 @@ import torch
 from ddpkit.checkpoints import (
     Progress,
     agree_on_checkpoint,
+    checkpoint_path,
     remove_stale_temporaries,
     resume_from,
     run_is_done,
@@ -60,10 +61,16 @@ from ddpkit.options import RunOptions, changeable, flag, option_args, parse_opti
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
-from ddpkit.time_limit import TimeLimit, read_job_times
+from ddpkit.time_limit import TimeLimit, job_fields, read_job_times, requeue_of
 from ddpkit.training_run import TrainingRun
 
 SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
+
+
+def last_line(text: str) -> str:
+    """The last line a command wrote (scontrol's error follows its warnings), or ""."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def requeue_slurm_job(launch: Launch) -> bool:
@@ -74,11 +81,15 @@ def requeue_slurm_job(launch: Launch) -> bool:
     try:
         shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True,
                                timeout=SCONTROL_TIMEOUT)
-        if "BatchFlag=0" in shown.stdout:
+        if shown.returncode != 0:
+            print(f"could not requeue Slurm job {launch.job_id} (scontrol show job: {last_line(shown.stderr)})", flush=True)
+            return False
+        fields = job_fields(shown.stdout.partition("\n")[0])
+        if fields.get("BatchFlag") == "0":
             print(f"Slurm job {launch.job_id} is an interactive allocation (salloc), which Slurm does not requeue",
                   flush=True)
             return False
-        if "Requeue=1" not in shown.stdout:
+        if not requeue_of(fields):  # (the rule the time limit's estimate follows too)
             print(f"Slurm job {launch.job_id} may not be requeued (it was submitted without --requeue)", flush=True)
             return False
         print(f"requeueing Slurm job {launch.job_id}; it resumes from its last checkpoint", flush=True)
@@ -88,7 +99,7 @@ def requeue_slurm_job(launch: Launch) -> bool:
         print(f"could not requeue Slurm job {launch.job_id} (scontrol: {err})", flush=True)
         return False
     if result.returncode != 0:
-        print(f"could not requeue Slurm job {launch.job_id} (scontrol requeue: {result.stderr.strip()})", flush=True)
+        print(f"could not requeue Slurm job {launch.job_id} (scontrol requeue: {last_line(result.stderr) or f'exit {result.returncode}'})", flush=True)
     return result.returncode == 0
 
 
@@ -127,14 +138,18 @@ def continue_command(recipe, options: RunOptions, launch: Launch, run_dir: Path,
 
 
 def launcher_words(launch: Launch) -> str:
-    """How this process was started, as a command that starts the same ranks again."""
+    """How this process was started, as a command that starts the same ranks again. It names
+    the interpreter that runs now: `python` on the PATH may be another one (no torch), or
+    none at all, when no environment is active (`make run` runs .venv/bin/python); torchrun
+    as that interpreter's module, for the same reason."""
+    python = shlex.quote(sys.executable)
     if launch.source == "torchrun":
         if launch.nodes == 1:
-            return f"torchrun --standalone --nproc-per-node={launch.local_world_size}"
-        return f"torchrun [the torchrun options you gave, on each of the {launch.nodes} nodes]"
+            return f"{python} -m torch.distributed.run --standalone --nproc-per-node={launch.local_world_size}"
+        return f"{python} -m torch.distributed.run [the torchrun options you gave, on each of the {launch.nodes} nodes]"
     if launch.source == "slurm":
-        return f"srun --nodes={launch.nodes} --ntasks={launch.world_size} python"
-    return "python"
+        return f"srun --nodes={launch.nodes} --ntasks={launch.world_size} {python}"
+    return python
 
 
 def record_continue_command(launch: Launch, command: str) -> None:
@@ -167,11 +182,12 @@ class Job:
 
     def start_run(self, state: Mapping[str, object], *, images_per_rank: int, batch_size: int, epochs: int,
                   max_steps: int, hparams: HParams, classes: tuple[str, ...],
-                  on_divergence: Mapping[str, str]) -> TrainingRun:
+                  on_divergence: Mapping[str, str], shape: tuple[int, int, int] | None = None) -> TrainingRun:
         """Claim the run's directory, resume from its newest checkpoint (into `state`: the
         recipe's model, optimizer, ... by name) and start its log. `epochs` and `max_steps`
         are the recipe's --epochs and --max-steps; `on_divergence` the options that the
-        advice after a divergence changes (e.g. {"lr": "0.001"}). Raises AlreadyComplete
+        advice after a divergence changes (e.g. {"lr": "0.001"}); `shape` the images' (C, H, W),
+        which the checkpoints record and a resume compares. Raises AlreadyComplete
         when the run has nothing left to do."""
         recipe, options, launch, rt = self.recipe, self.options, self.launch, self.rt
         self.on_divergence = on_divergence
@@ -185,7 +201,7 @@ class Job:
                                                  changeable(type(recipe)), rt, run_dir)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
-            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes)
+            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes, shape)
         self.progress = progress
         if progress.finished and run_is_done(progress, epochs, max_steps):
             longer = {"epochs": str(epochs + 4)} if progress.epoch > epochs else {}
@@ -209,7 +225,7 @@ class Job:
                                                                        key=lambda a: int(a.split("/")[0])))
         # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
         # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
-        here = run_dir / "checkpoints" / f"ckpt-{progress.step:08d}.pt"
+        here = checkpoint_path(run_dir, progress.step)
         save_here = bool(ckpt_path) and Path(ckpt_path).resolve() != here.resolve()
         saved_options = {**dataclasses.asdict(recipe), **dataclasses.asdict(options)}
         if rt.is_main:
@@ -241,7 +257,7 @@ class Job:
                 print(line, flush=True)
         self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, classes, progress, loss_sums, epochs,
                                max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger,
-                               self.startup if rt.is_main else None, time_limit)
+                               self.startup if rt.is_main else None, time_limit, shape=shape)
         if save_here:
             self.run.checkpoint()
             if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)

@@ -6,8 +6,10 @@ The end time comes from SLURM_JOB_END_TIME where Slurm sets it (23.02 and later)
 from `scontrol show job`, which run_training.sbatch runs once on the host (a container may
 have no scontrol) and passes on as MNIST_DDP_JOB_INFO, with its times in Unix seconds as
 MNIST_DDP_JOB_TIMES (scontrol prints local time, and a container's time zone may differ
-from the host's); else rank 0 runs scontrol once itself. Whether the job may be requeued,
-and whether it has a limit at all, come from the scontrol line where there is one.
+from the host's). Without that line rank 0 runs scontrol once itself: whether the job may
+be requeued (a batch job with Requeue=1) comes from the line alone, and a run that does not
+know promises no requeue. Whether it has a limit at all is one rule for every source
+(job_times).
 Only rank 0 watches the clock: the ranks' per-step agreement carries its stop to the rest.
 
 Standard library only, like launch.py."""
@@ -57,8 +59,14 @@ def job_fields(info: str) -> dict[str, str]:
 def times_from_job_info(info: str) -> JobTimes | None:
     """The times in one `scontrol show job -o` line; None for a job without a time limit."""
     fields = job_fields(info)
-    start, end = slurm_time(fields.get("StartTime", "")), slurm_time(fields.get("EndTime", ""))
-    if start is None or end is None or fields.get("TimeLimit") in ("UNLIMITED", "Partition_Limit") or end <= start:
+    return job_times(fields, slurm_time(fields.get("StartTime", "")), slurm_time(fields.get("EndTime", "")))
+
+
+def job_times(fields: Mapping[str, str], start: float | None, end: float | None) -> JobTimes | None:
+    """The one rule, whichever way the times came, for 'no time limit' (None): TimeLimit=UNLIMITED,
+    or an end a year away or not after the start. TimeLimit=Partition_Limit is a limit: the
+    partition's MaxTime, real when finite; the end time says which."""
+    if start is None or end is None or fields.get("TimeLimit") == "UNLIMITED" or not start < end < start + NO_LIMIT:
         return None
     return JobTimes(start, end, requeue_of(fields))
 
@@ -84,21 +92,18 @@ def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subproce
     info = env.get("MNIST_DDP_JOB_INFO", "")
     given = (unix_times(f"{env.get('SLURM_JOB_START_TIME', '')} {env.get('SLURM_JOB_END_TIME', '')}")
              or unix_times(env.get("MNIST_DDP_JOB_TIMES", "")))
-    if not info and not given:
+    if not info:  # (with Slurm's own times too: only the line says whether the job may be requeued)
         try:
             result = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                          timeout=SCONTROL_TIMEOUT, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
+            info = result.stdout if result.returncode == 0 else ""
         except (OSError, subprocess.SubprocessError):
-            return None
-        info = result.stdout if result.returncode == 0 else ""
+            info = ""
     text = info.splitlines()[0] if info.strip() else ""
     if not given:
         return times_from_job_info(text)
     # Unix seconds win over the line's times, which a site's SLURM_TIME_FORMAT may change.
-    fields, (start, end) = job_fields(text), given
-    if fields.get("TimeLimit") == "UNLIMITED" or not start < end < start + NO_LIMIT:
-        return None
-    return JobTimes(start, end, requeue_of(fields))
+    return job_times(job_fields(text), *given)
 
 
 def duration(seconds: float) -> str:
@@ -188,7 +193,7 @@ class TimeLimit:
         head = f"needs about {duration(needed)} at this speed, the job ends in {duration(left)}"
         if per_job <= 0:
             return f"{head}: its time limit leaves no time to train after start-up; --time={in_one} would do it in one"
-        if self.times.requeue is False:
+        if not self.times.requeue:  # (not known to be requeued: a requeue must not be promised)
             return (f"{head}: it saves and stops {duration(margin)} before the end, and is not requeued (the line it "
                     f"prints continues it); --time={in_one} would do it in one")
         requeues = math.ceil((needed - max(0.0, left - margin)) / per_job)

@@ -6,6 +6,7 @@ a missing or hanging scontrol means "not requeued", not a crash.
     python -m pytest tests/test_continue.py
 """
 
+import os
 import re
 import shlex
 import signal
@@ -26,11 +27,11 @@ FAST = ["--epochs", "2", "--batch-size", "256"]  # 16 steps per epoch on the sam
 
 
 def printed_command(text: str, after: str) -> list[str]:
-    """The command printed after `after`, as a list, with `python` made this interpreter."""
+    """The command printed after `after`, as a list: this interpreter, then the script."""
     line = text[text.index(after) + len(after):].splitlines()[0].strip()
     argv = shlex.split(line)
-    assert argv[0] == "python" and argv[1] == str(SCRIPT), line
-    return [sys.executable, *argv[1:]]
+    assert argv[:2] == [sys.executable, str(SCRIPT)], line
+    return argv
 
 
 def test_stopped_run_prints_the_command_that_continues_it(workdir):
@@ -54,7 +55,7 @@ def test_same_run_name_continues_and_a_finished_run_says_so(workdir):
     assert_ok(run_single([*FAST, "--run-name", "mine"], cwd=workdir))
     done = run_single([*FAST, "--run-name", "mine"], cwd=workdir)
     assert_ok(done)
-    assert "runs/mine is already complete (epoch 2, step 32); to train it longer: python " in done.stdout
+    assert f"runs/mine is already complete (epoch 2, step 32); to train it longer: {sys.executable} " in done.stdout
     # ... and that printed command really trains it longer.
     longer = printed_command(done.stdout, "to train it longer: ")
     assert longer[-3:] == ["--epochs", "6", "--allow-changes"]
@@ -129,7 +130,7 @@ def test_stop_when_scontrol_cannot_reach_slurm_still_exits_75(workdir):
     procs = run_as_srun(2, [*FAST, "--run-dir", "run", "--interrupt-at", "4:USR1"], cwd=workdir, job_id="99", detach=True)
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], outputs[0][1][-2000:]
-    assert "to continue: srun --nodes=1 --ntasks=2 python " in outputs[0][0]
+    assert f"to continue: srun --nodes=1 --ntasks=2 {shlex.quote(sys.executable)} " in outputs[0][0]
 
 
 def run_printed(text: str, after: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -186,7 +187,104 @@ def test_torchrun_continue_line_runs_as_printed(workdir):
     stopped = run_torchrun(2, ["--epochs", "1", "--batch-size", "256", "--run-name", "tr", "--interrupt-at", "3:USR1"],
                            cwd=workdir)
     assert "stopping on SIGUSR1 at step " in stopped.stdout, stopped.stderr[-2000:]  # torchrun itself exits 1
-    assert "to continue: torchrun --standalone --nproc-per-node=2 " in stopped.stdout
+    assert f"to continue: {sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 " in stopped.stdout
     again = run_printed(stopped.stdout, "to continue: ", workdir, OMP_NUM_THREADS="1")
     assert_ok(again)
     assert "resumed from runs/tr/checkpoints/ckpt-00000004.pt" in again.stdout
+
+
+# No environment active, as under `make run` (.venv/bin/python): the PATH has no bin/ of it.
+BARE_PATH = ":".join(p for p in clean_env()["PATH"].split(":") if p and Path(p) != Path(sys.executable).parent)
+
+
+def run_as_printed(line: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The printed line, split as a shell splits it, run with no environment on the PATH."""
+    return subprocess.run(shlex.split(line), cwd=cwd, env=clean_env(PATH=BARE_PATH, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_after_ctrl_c_the_continue_line_works_with_no_environment_on_the_path(workdir):
+    """A real Ctrl-C (SIGINT to the process group) of a run started as the environment's
+    interpreter by its path: the line printed runs that interpreter, and works as printed."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *FAST, "--run-name", "bare"], cwd=workdir,
+                            env=clean_env(PATH=BARE_PATH, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("epoch   1 |"):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_STOPPED, out[-3000:]
+    again = run_as_printed(out.split("to continue: ")[1].splitlines()[0], workdir)
+    assert_ok(again)
+    assert re.search(r"resumed from runs/bare/checkpoints/ckpt-\d+\.pt: epoch 2", again.stdout), again.stdout[-2000:]
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "bare")] == [1, 2]
+
+
+def test_torchrun_continue_line_works_with_no_torchrun_on_the_path(workdir):
+    """torchrun started as the interpreter's module (no torchrun on the PATH): the printed
+    line starts the same ranks the same way."""
+    stopped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              str(SCRIPT), "--epochs", "1", "--batch-size", "256", "--run-name", "tb",
+                              "--interrupt-at", "3:USR1"], cwd=workdir,
+                             env=clean_env(PATH=BARE_PATH, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                             timeout=300)
+    assert "stopping on SIGUSR1 at step " in stopped.stdout, stopped.stderr[-2000:]
+    again = run_as_printed(stopped.stdout.split("to continue: ")[1].splitlines()[0], workdir)
+    assert_ok(again)
+    assert "resumed from runs/tb/checkpoints/ckpt-00000004.pt" in again.stdout
+
+
+def test_a_resume_on_ranks_that_do_not_split_the_global_batch_names_the_ones_that_do(workdir):
+    """A 1-process run stopped, then continued on 3 ranks (128 does not split among 3): the
+    line names the rank counts that split it, exit 2; on 2 of them, as advised, it resumes."""
+    args = ["--epochs", "1", "--run-name", "b"]
+    assert run_single([*args, "--interrupt-at", "5:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    three = run_as_srun(3, args, cwd=workdir, job_id="")
+    assert [r.returncode for r in three] == [2, 2, 2], three[0].stderr[-2000:]
+    assert "does not split evenly among 3 ranks; run it on 1, 2, 4, 8, 16, 32, 64 or 128 ranks" in three[0].stderr
+    assert "for a new run (another --run-name), pass --global-batch 126 or 129" in three[0].stderr
+    two = run_as_srun(2, args, cwd=workdir, job_id="")
+    assert_ok(two[0])
+    assert "resumed from runs/b/checkpoints/ckpt-00000006.pt: epoch 1, " in two[0].stdout
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "b")] == [1]
+
+
+# A job line as Slurm prints it for a batch job that may be requeued (shortened).
+REQUEUEABLE = "JobId=99 JobName=x JobState=RUNNING Requeue=1 Restarts=0 BatchFlag=1 TimeLimit=UNLIMITED"
+
+
+def refusing_scontrol(directory: Path) -> dict[str, str]:
+    """An scontrol that shows a requeueable batch job but whose `requeue` fails, as when the
+    controller refuses it: the thing tested is the run's answer to that."""
+    return fake_scontrol(directory, f"""#!/bin/sh
+if [ "$1" = requeue ]; then echo "scontrol: error: Requested operation is presently disabled for job $2" >&2; exit 1; fi
+echo "{REQUEUEABLE}"
+""")
+
+
+def test_a_refused_requeue_is_not_claimed(tmp_path, monkeypatch, capsys):
+    for name, value in refusing_scontrol(tmp_path / "bin").items():
+        monkeypatch.setenv(name, value)
+    assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+    assert "could not requeue Slurm job 99 (scontrol requeue: scontrol: error: Requested operation is presently " \
+           "disabled for job 99)" in capsys.readouterr().out
+
+
+def test_a_stop_whose_requeue_fails_prints_the_continue_line_and_it_works(workdir, monkeypatch):
+    """Two ranks of "job 99" stop on USR1; scontrol shows a requeueable job but refuses the
+    requeue: rank 0 says so and prints the command that continues, which works as printed
+    (without its srun: there is no real job 99)."""
+    monkeypatch.setenv("PATH", f"{refusing_scontrol(workdir / 'bin')['PATH']}:{BARE_PATH}")  # (the ranks' PATH)
+    procs = run_as_srun(2, [*FAST, "--run-dir", "run", "--interrupt-at", "4:USR1"], cwd=workdir, job_id="99",
+                        detach=True)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], outputs[0][1][-2000:]
+    out = outputs[0][0]
+    assert "requeueing Slurm job 99;" in out and "could not requeue Slurm job 99 (scontrol requeue: " in out
+    again = run_as_printed(out.split("to continue: ")[1].splitlines()[0].replace("srun --nodes=1 --ntasks=2 ", ""), workdir)
+    assert_ok(again)
+    assert re.search(r"resumed from run/checkpoints/ckpt-\d+\.pt", again.stdout)

@@ -24,6 +24,7 @@ TORCHRUN_2_NODES = Launch("torchrun", 0, 0, 4, "node01", 29400, "77", 0, local_w
 SLURM = Launch("slurm", 0, 0, 4, "node01", 10077, "77", 0, local_world_size=2, nodes=2)
 RESUBMIT = "cd /home/ann/mnist && RUN_NAME=lr-sweep sbatch --nodes=2 run_training.sbatch"
 
+PYTHON = shlex.quote(sys.executable)  # the interpreter that runs, not whichever `python` the PATH finds
 RECIPE = Recipe(epochs=3, lr=0.01)
 # Options a continuation must not repeat (resume, interrupt_at, download_only) next to ones it keeps.
 OPTIONS = RunOptions(amp=True, run_name="exp-1", log_dir="logs", resume="ckpt-00000004.pt", interrupt_at="20:USR1",
@@ -38,10 +39,10 @@ def started_as_the_script(monkeypatch):
 
 
 @pytest.mark.parametrize("launch, words", [
-    (SINGLE, "python"),
-    (TORCHRUN_1_NODE, "torchrun --standalone --nproc-per-node=2"),
-    (TORCHRUN_2_NODES, "torchrun [the torchrun options you gave, on each of the 2 nodes]"),
-    (SLURM, "srun --nodes=2 --ntasks=4 python"),
+    (SINGLE, PYTHON),
+    (TORCHRUN_1_NODE, f"{PYTHON} -m torch.distributed.run --standalone --nproc-per-node=2"),
+    (TORCHRUN_2_NODES, f"{PYTHON} -m torch.distributed.run [the torchrun options you gave, on each of the 2 nodes]"),
+    (SLURM, f"srun --nodes=2 --ntasks=4 {PYTHON}"),
 ])
 def test_launcher_words(launch, words):
     assert launcher_words(launch) == words
@@ -56,7 +57,7 @@ def test_continue_command_starts_the_same_ranks_from_the_run_options(launch):
 
 def test_continue_command_adds_the_changes_at_the_end():
     command = continue_command(RECIPE, OPTIONS, SINGLE, Path("logs/exp-1"), lr="0.00333", allow_changes="")
-    assert command == ("python mnist_ddp.py --data-dir /shared/data --epochs 3 --amp --log-dir logs --run-name exp-1 "
+    assert command == (f"{PYTHON} mnist_ddp.py --data-dir /shared/data --epochs 3 --amp --log-dir logs --run-name exp-1 "
                        "--lr 0.00333 --allow-changes")
 
 
@@ -74,26 +75,26 @@ def test_an_unnamed_run_is_named_by_its_directory(tmp_path):
     logs = tmp_path / "runs"
     options = RunOptions(log_dir=str(logs))
     assert continue_command(Recipe(), options, SINGLE, logs / "20250101-120000") == \
-        "python mnist_ddp.py --log-dir " + shlex.quote(str(logs)) + " --run-name 20250101-120000"
-    assert continue_command(Recipe(), RunOptions(), SINGLE, Path("runs/job-77")) == "python mnist_ddp.py --run-name job-77"
+        f"{PYTHON} mnist_ddp.py --log-dir " + shlex.quote(str(logs)) + " --run-name 20250101-120000"
+    assert continue_command(Recipe(), RunOptions(), SINGLE, Path("runs/job-77")) == f"{PYTHON} mnist_ddp.py --run-name job-77"
     # Not under LOG_DIR: its path, quoted for the shell.
     assert continue_command(Recipe(), RunOptions(), SINGLE, Path("/data/my runs/x")) == \
-        "python mnist_ddp.py --run-dir '/data/my runs/x'"
+        f"{PYTHON} mnist_ddp.py --run-dir '/data/my runs/x'"
 
 
 def test_a_run_dir_given_is_passed_on_as_it_was():
     options = RunOptions(run_dir="/scratch/ann/exp")
     assert continue_command(Recipe(), options, SINGLE, Path("/scratch/ann/exp")) == \
-        "python mnist_ddp.py --run-dir /scratch/ann/exp"
+        f"{PYTHON} mnist_ddp.py --run-dir /scratch/ann/exp"
 
 
 def test_the_script_as_it_was_started(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/home/ann/mnist ddp/mnist_ddp.py"])
     assert continue_command(Recipe(), RunOptions(run_name="a"), SINGLE, Path("runs/a")) == \
-        "python '/home/ann/mnist ddp/mnist_ddp.py' --run-name a"
+        f"{PYTHON} '/home/ann/mnist ddp/mnist_ddp.py' --run-name a"
     monkeypatch.setattr(sys, "argv", ["-c"])  # not a file: the script's own name
     assert continue_command(Recipe(), RunOptions(run_name="a"), SINGLE, Path("runs/a")) == \
-        "python mnist_ddp.py --run-name a"
+        f"{PYTHON} mnist_ddp.py --run-name a"
 
 
 def test_the_printed_command_parses_back_to_the_same_run(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import gzip
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -289,7 +290,7 @@ def test_ctrl_c_saves_a_checkpoint_and_records_it(workdir):
     code, out = press_ctrl_c([sys.executable, str(SCRIPT), "--epochs", "3", "--run-name", "c"], workdir, times=1)
     assert code == EXIT_STOPPED, out[-3000:]
     assert "stopping on SIGINT at step " in out and "Traceback" not in out
-    assert "requeueing" not in out and "to continue: python " in out
+    assert "requeueing" not in out and f"to continue: {shlex.quote(sys.executable)} " in out
     assert (workdir / "runs" / "c" / "exit-code").read_text() == f"{EXIT_STOPPED}\n"
     assert list((workdir / "runs" / "c" / "checkpoints").glob("ckpt-*.pt"))
 

@@ -97,6 +97,8 @@ def test_parse_options_returns_the_recipe_and_run_options():
     (["--lr", "inf"], "--lr must be a positive number, got inf"),
     (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
     (["--seed", "10000000000001"], "--seed must be from -10000000000000 to 10000000000000, got 10000000000001"),
+    (["--batch-size", "64", "--global-batch", "256"], "--batch-size 64 and --global-batch 256 both set the batch; pass "
+     "one: --global-batch for the images per step over all ranks, --batch-size for the images per rank"),
     # argparse itself
     (["--epochs", "x"], "argument --epochs: invalid int value: 'x' (see --help)"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see --help)"),
@@ -169,3 +171,12 @@ def test_a_recipe_option_that_run_options_has_too_is_refused():
 
     with pytest.raises(TypeError, match=r"^recipe options that RunOptions has too: \{'amp'\}$"):
         build_parser(Clashing)
+
+
+@pytest.mark.parametrize("argv", [["--batch-size", "64"], ["--global-batch", "256"]])
+def test_a_continue_command_sets_the_batch_once_and_parses_back(argv):
+    """option_args of a run that set one of the two batch options repeats that one alone,
+    so the printed command is not refused for giving both."""
+    recipe, options = parse_options(Recipe, argv)
+    assert option_args(recipe) == argv
+    assert parse_options(Recipe, option_args(recipe, options))[0] == recipe

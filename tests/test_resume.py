@@ -11,8 +11,10 @@ metrics.jsonl carry on without doubled steps.
 
 import os
 import re
+import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -174,7 +176,7 @@ def test_diverging_loss_stops_before_bad_weights_are_saved(workdir):
     for result in results:
         assert result.returncode == EXIT_DIVERGED, result.stderr[-2000:]
     assert "mnist_ddp.py [rank 0/2 on " in results[0].stderr and "]: error: the loss stopped being finite at step " in results[0].stderr
-    assert "with a lower learning rate: srun --nodes=1 --ntasks=2 python " in results[0].stderr
+    assert f"with a lower learning rate: srun --nodes=1 --ntasks=2 {shlex.quote(sys.executable)} " in results[0].stderr
     assert "--lr 3.33e+04 --allow-changes" in results[0].stderr
     saved = sorted((workdir / "run" / "checkpoints").glob("ckpt-*.pt"))
     assert saved

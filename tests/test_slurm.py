@@ -574,3 +574,64 @@ RUN_NAME=b bash {SBATCH_FILE} --batch-size 64 --epochs 2; echo "BATCH2=$?"
         assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / name)] == [1, 2]
     assert re.search(r"resumed from \S+/runs/s/checkpoints/ckpt-\d+\.pt", out)
     assert re.search(r"^0: resumed from \S+/runs/b/checkpoints/ckpt-\d+\.pt", out, re.M)
+
+
+@pytest.fixture(scope="module")
+def gpu_node(tmp_path_factory):
+    """One node with 2 fake GPUs (LOCAL_SLURM_GPUS): Slurm hands them out, CUDA sees none."""
+    cluster = Cluster(tmp_path_factory.mktemp("slurm-gpus"), 1, clean_env(LOCAL_SLURM_PORT="16867", LOCAL_SLURM_GPUS="2"))
+    yield cluster
+    cluster.stop()
+
+
+def continue_line(out: str) -> list[str]:
+    """The words of the sbatch line after END that continues the run."""
+    line = re.search(r"^to continue from the newest checkpoint, from \S+: (.*)$", out, re.M)
+    assert line, out[-3000:]
+    return shlex.split(line.group(1))
+
+
+def test_the_line_after_end_keeps_the_gpus_however_they_were_asked_for(gpu_node, tmp_path):
+    """--gres=gpu:2 and --gpus=2 (not only --gpus-per-node): the job's TRES say it, and the
+    sbatch line that continues the run asks for the same GPUs (the run itself trains on CPUs)."""
+    asked = {"--gres=gpu:2": "--gpus-per-node=2", "--gpus=2": "--gpus=2"}
+    clients = {option: gpu_node.sbatch(tmp_path / option.strip("-").replace("=", "-").replace(":", "-"),
+                                       ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G", option],
+                                       ["--device", "cpu", "--epochs", "1", "--interrupt-at", "3:TERM"])
+               for option in asked}
+    for option, client in clients.items():
+        submit_dir = tmp_path / option.strip("-").replace("=", "-").replace(":", "-")
+        _, out = finish(client, submit_dir, code=75)
+        words = continue_line(out)
+        assert asked[option] in words and not any(w.startswith("--gpus-per-task") for w in words), (option, words)
+
+
+@pytest.fixture(scope="module")
+def two_wider_nodes(tmp_path_factory):
+    """Two nodes (network namespaces, as two_nodes) of 2 CPUs each, so 3 tasks fit as 2 and 1."""
+    cluster = Cluster(tmp_path_factory.mktemp("slurm2w"), 2,
+                      clean_env(LOCAL_SLURM_PORT="16877", LOCAL_SLURM_PREFIX="wt", LOCAL_SLURM_SUBNET="10.231.11",
+                                LOCAL_SLURM_CPUS="2"))
+    yield cluster
+    cluster.stop()
+
+
+def test_the_line_after_end_asks_for_the_same_uneven_task_count(two_wider_nodes, tmp_path):
+    """--nodes=2 --ntasks=3 (2 tasks and 1): the line asks for --ntasks=3 again, not
+    --ntasks-per-node=2 (4 ranks), and run as printed it resumes on 3 ranks."""
+    client = two_wider_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks=3", "--cpus-per-task=1", "--mem=1G"],
+                                    ["--global-batch", "96", "--epochs", "1", "--interrupt-at", "3:TERM"],
+                                    RUN_NAME="uneven")
+    _, out = finish(client, tmp_path, code=75)
+    assert re.search(r"^START .* tasks=3 ", out, re.M), out[:2000]
+    words = continue_line(out)
+    assert words[words.index("sbatch") + 1:words.index("sbatch") + 3] == ["--nodes=2", "--ntasks=3"], words
+    assert not any(w.startswith("--ntasks-per-node") for w in words), words
+    command = shlex.join(words).replace(" sbatch ", " sbatch --wait ", 1)  # (--wait only makes the test wait)
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(two_wider_nodes.dir), "bash", "-c", command], cwd=tmp_path,
+                           env={**two_wider_nodes.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable},
+                           capture_output=True, text=True, timeout=400)
+    second = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
+    text = (tmp_path / f"mnist-ddp-{second}.out").read_text()
+    assert again.returncode == 0, text[-3000:]
+    assert re.search(r"^START .* tasks=3 ", text, re.M) and re.search(r"^0: resumed from \S+/runs/uneven/", text, re.M)

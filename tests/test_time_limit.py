@@ -42,7 +42,9 @@ def test_where_the_times_come_from(monkeypatch):
     env = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600", "MNIST_DDP_JOB_INFO": INFO,
            "MNIST_DDP_JOB_TIMES": "2000 2120"}
     assert read_job_times(env, "7") == JobTimes(1000.0, 4600.0, requeue=True)
-    assert read_job_times({"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}, "7") == JobTimes(1000.0, 4600.0)
+    no_line = subprocess.CompletedProcess([], 1, "", "")  # scontrol cannot say: whether it requeues is not known
+    assert read_job_times({"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}, "7",
+                          run=lambda *a, **k: no_line) == JobTimes(1000.0, 4600.0)
     batch = {"MNIST_DDP_JOB_INFO": INFO.replace("Requeue=1", "Requeue=0"), "MNIST_DDP_JOB_TIMES": "2000 2120"}
     assert read_job_times(batch, "7") == JobTimes(2000.0, 2120.0, requeue=False)  # (not the line's local times)
     assert read_job_times({"MNIST_DDP_JOB_INFO": INFO}, "7") == JobTimes(START, START + 120, requeue=True)
@@ -142,14 +144,13 @@ def test_after_the_first_epoch_it_says_whether_the_run_fits():
     assert "its time limit leaves no time to train after start-up" in short.fit_line(1.0, 7800)
 
 
-def test_a_line_without_a_start_or_with_a_partition_limit_gives_no_times():
+def test_a_line_without_a_start_or_with_its_end_at_its_start_gives_no_times():
     assert times_from_job_info(INFO.replace("StartTime=2026-11-24T13:15:52", "StartTime=Unknown")) is None
-    assert times_from_job_info(INFO.replace("TimeLimit=00:02:00", "TimeLimit=Partition_Limit")) is None
     assert times_from_job_info(INFO.replace("EndTime=2026-11-24T13:17:52", "EndTime=2026-11-24T13:15:52")) is None
     assert read_job_times({"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "1000"}, "7") is None
 
 
-def test_scontrol_is_asked_once_and_only_when_nothing_else_says():
+def test_scontrol_is_asked_once_and_only_when_no_line_was_passed_on():
     calls = []
 
     def scontrol(returncode: int, stdout: str = INFO):
@@ -164,7 +165,8 @@ def test_scontrol_is_asked_once_and_only_when_nothing_else_says():
     assert read_job_times({}, "7", run=scontrol(1)) is None  # (an unknown job: what it printed is no job line)
     calls.clear()
     given = {"SLURM_JOB_START_TIME": "1000", "SLURM_JOB_END_TIME": "4600"}
-    assert read_job_times(given, "7", run=scontrol(0)) == JobTimes(1000.0, 4600.0) and calls == []
+    # Slurm's own times, but only the line says whether the job may be requeued: asked once.
+    assert read_job_times(given, "7", run=scontrol(0)) == JobTimes(1000.0, 4600.0, requeue=True) and len(calls) == 1
 
     def timed_out(args, **kwargs):
         raise subprocess.TimeoutExpired(args, kwargs["timeout"])
@@ -220,3 +222,43 @@ def test_whether_it_fits_at_the_edges():
     # Start-up takes all but the margin (0 s to train), or leaves one second.
     assert "leaves no time to train after start-up" in TimeLimit(JobTimes(0.0, 400.0), "auto", Clock(340.0)).fit_line(1.0, 10)
     assert "requeued about 9 times" in TimeLimit(JobTimes(0.0, 400.0, requeue=True), "auto", Clock(339.0)).fit_line(1.0, 10)
+
+
+PARTITION_LIMIT = INFO.replace("TimeLimit=00:02:00", "TimeLimit=Partition_Limit")
+
+
+def test_both_paths_agree_on_partition_limit_and_unlimited():
+    """The line's local times and the Unix times beside it give the same answer for every
+    TimeLimit: Partition_Limit is the partition's MaxTime, a limit when its end is (here 2
+    minutes); UNLIMITED, or an end a year away (MaxTime=INFINITE), is none."""
+    a_year = 365 * 24 * 3600
+    cases = [(INFO, 120, True), (PARTITION_LIMIT, 120, True), (PARTITION_LIMIT, a_year, False),
+             (INFO.replace("TimeLimit=00:02:00", "TimeLimit=UNLIMITED"), 120, False)]
+    for line, seconds, limited in cases:
+        end = datetime.datetime.fromtimestamp(START + seconds).isoformat(timespec="seconds")
+        line = line.replace("EndTime=2026-11-24T13:17:52", f"EndTime={end}")
+        from_line = read_job_times({"MNIST_DDP_JOB_INFO": line}, "7")
+        from_unix = read_job_times({"MNIST_DDP_JOB_INFO": line, "MNIST_DDP_JOB_TIMES": f"{START:.0f} {START + seconds:.0f}"},
+                                   "7")
+        from_slurm = read_job_times({"SLURM_JOB_START_TIME": f"{START:.0f}", "SLURM_JOB_END_TIME": f"{START + seconds:.0f}",
+                                     "MNIST_DDP_JOB_INFO": line}, "7")
+        expected = JobTimes(START, START + seconds, requeue=True) if limited else None
+        assert from_line == from_unix == from_slurm == expected, (line, seconds)
+
+
+def test_a_requeue_is_promised_only_to_a_batch_job_that_may_be_requeued():
+    """After the first epoch, a run that does not fit says "requeued about N times" only in a
+    batch job with Requeue=1; in an salloc, a job submitted with --no-requeue, or one whose
+    line scontrol cannot give (Slurm's own times alone), it says that it stops and that the
+    line it prints continues it."""
+    given = {"SLURM_JOB_START_TIME": "0", "SLURM_JOB_END_TIME": "3600"}
+    lines = {"batch": INFO, "salloc": INFO.replace("BatchFlag=1", "BatchFlag=0"),
+             "no-requeue": INFO.replace("Requeue=1", "Requeue=0"), "unknown": None}
+    for case, line in lines.items():
+        answer = subprocess.CompletedProcess([], 0 if line else 1, line or "", "")
+        times = read_job_times(given, "7", run=lambda *a, answer=answer, **k: answer)
+        said = TimeLimit(times, "auto", Clock(0.0)).fit_line(1.0, 7800)
+        if case == "batch":
+            assert "it will be requeued about 2 times" in said, said
+        else:
+            assert "requeued about" not in said and "is not requeued (the line it prints continues it)" in said, (case, said)
