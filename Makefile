@@ -4,8 +4,9 @@
 #              ruff, check the docs' figures, run the whole suite
 # make check-docs - the README's and docs' figures agree with docs/figures/ (benchmarks/figures.py)
 # make mutants - install mutmut, mutate the launch environment, the time limit, the printed
-#              commands, the epoch's shards and the sweep summary, run their fast unit tests
-#              against each mutant, print the survivors and the score (docs/mutants.md; ~2 min)
+#              commands and the requeue, the device choice, the training run, the epoch's shards,
+#              the training step, evaluation and build_training, and the sweep summary; run their
+#              fast unit tests against each mutant, print the survivors and the score (docs/mutants.md)
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 #            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2").
 
@@ -24,7 +25,13 @@ MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.launch.x_port_from_job_i
            'ddpkit.time_limit.*' 'ddpkit.jobs.x_continue_command__*' 'ddpkit.jobs.x_launcher_words__*' \
            'mnist_ddp.x_epoch_shard__*' 'mnist_ddp.x_epoch_shifts__*' \
            'sweep.x_exit_state__*' 'sweep.x_run_state__*' 'sweep.x_collect__*' 'sweep.x_summary_table__*' \
-           'sweep.x_read_records__*'
+           'sweep.x_read_records__*' \
+           'ddpkit.training_run.*' 'ddpkit.jobs.x_requeue_slurm_job__*' \
+           'ddpkit.distributed.x_pick_device__*' 'ddpkit.distributed.x_invisible_gpu_cause__*' \
+           'ddpkit.distributed.x_busy_gpu_cause__*' 'ddpkit.distributed.x_unusable_gpu_message__*' \
+           'ddpkit.distributed.x_amp_warning__*' 'ddpkit.distributed.x_cuda_version__*' \
+           'ddpkit.distributed.x_collective_of__*' 'ddpkit.distributed.x_nondeterministic_operation__*' \
+           'mnist_ddp.x_evaluate__*' 'mnist_ddp.x_build_training__*' 'mnist_ddp.x_train_step__*'
 
 run: $(VENV)/.installed
 	$(PY) mnist_ddp.py $(ARGS)

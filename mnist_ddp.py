@@ -19,14 +19,16 @@ What it does
   * evaluates exactly (every test image counted once, for any world size) and logs to
     stdout, metrics.jsonl and TensorBoard in one run directory per job.
 
-What it reaches (measured on 2 CPU cores; docs/benchmark.md has the table and machine)
-  * bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 96.9-97.0 % test
-    accuracy (seeds 0-2) in ~5 s on 2 CPU cores;
+What it reaches
+  measured on AMD EPYC, 2 cores, 24 GiB, no GPU; 2026-11-24; the method and every
+  figure: docs/benchmark.md
+  * the bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 96.9-97.0 %
+    test accuracy (seeds 0-2), ~5 s a run;
   * full Fashion-MNIST, defaults: 90.4 % after 2 epochs, 92.4 % after 8 (evaluated with
-    the --ema average of the weights); 16.6x sooner to 90 % than the usual DataLoader +
-    ToTensor example loop, from process start (12.9 s against 214.1 s on 2 AMD EPYC
-    cores, 2026-11-24), and the same accuracy from 1, 2, 4 or 8 ranks (the global batch
-    is split).
+    the --ema average of the weights); it reaches 90 % 16.6x sooner than the usual
+    DataLoader + ToTensor example loop, from process start (12.9 s against 214.1 s);
+  * full Fashion-MNIST, 2 epochs: 90.1-90.3 % from 1, 2, 4 or 8 ranks, the global batch
+    split among them.
 
 How to launch
   python mnist_ddp.py                                    # one process, bundled sample
@@ -139,6 +141,10 @@ class Recipe:
         need(self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}")
         need(self.global_batch >= 1, f"--global-batch must be at least 1, got {self.global_batch}")
         need(self.batch_size >= 0, f"--batch-size must be 0 (from --global-batch) or more, got {self.batch_size}")
+        # Either one sets the batch; with both, one would be ignored without a word.
+        need(not (self.batch_size and self.global_batch != type(self).global_batch),  # (the class holds the default)
+             f"--batch-size {self.batch_size} and --global-batch {self.global_batch} both set the batch; pass one: "
+             "--global-batch for the images per step over all ranks, --batch-size for the images per rank")
         need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
         need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
              f"--weight-decay must be 0 or more, got {self.weight_decay}")
@@ -153,10 +159,18 @@ class Recipe:
         """Each rank's share of the global batch (or --batch-size, when given)."""
         if self.batch_size:
             return self.batch_size
-        lower, higher = self.global_batch // world_size * world_size, -(-self.global_batch // world_size) * world_size
-        need(lower == self.global_batch, f"--global-batch {self.global_batch} does not split evenly among {world_size} "
-             f"ranks; pass --global-batch {' or '.join(str(n) for n in (lower, higher) if n)} (a multiple of "
-             f"{world_size}), or --batch-size N for N images per rank")
+        if self.global_batch % world_size:
+            # A run that has started resumes only with its own global batch: name the world
+            # sizes that split it (the 8 nearest this one), and another batch for a new run.
+            fits = [n for n in range(1, self.global_batch + 1) if self.global_batch % n == 0]
+            fits = [str(n) for n in sorted(sorted(fits, key=lambda n: abs(n - world_size))[:8])]
+            ranks = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+            lower, higher = self.global_batch // world_size * world_size, -(-self.global_batch // world_size) * world_size
+            batches = " or ".join(str(n) for n in (lower, higher) if n)
+            raise launch.UsageError(
+                f"--global-batch {self.global_batch} does not split evenly among {world_size} ranks; run it on {ranks} "
+                f"ranks (they split it; a run resumes only with its own batch), or, for a new run (another --run-name), "
+                f"pass --global-batch {batches} (a multiple of {world_size}), or --batch-size N for N images per rank")
         return self.global_batch // world_size
 
 
@@ -284,8 +298,11 @@ def lr_at(step: int, total_steps: int, peak: float) -> float:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x: torch.Tensor, y: torch.Tensor,
                amp: bool = False, label_smoothing: float = 0.0) -> torch.Tensor:
+    """One optimiser step at the schedule's `lr` (for --lr). A parameter group built with its own
+    lr keeps its share of it: the lr a group is built with is its peak ("initial_lr", as torch's
+    schedulers call it), scaled by lr / --lr; its own weight decay is left as it is."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * (group.setdefault("initial_lr", group["lr"]) / optimizer.defaults["lr"])
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         loss = F.cross_entropy(model(x), y, label_smoothing=label_smoothing)
     optimizer.zero_grad(set_to_none=True)
@@ -317,8 +334,7 @@ class WeightAverage:
 
 @dataclass(frozen=True)
 class Evaluation:
-    loss: float
-    accuracy: float
+    metrics: dict               # {name: mean over the test images}: "loss", "accuracy" and any added in evaluate
     count: int                  # test images counted: the whole test set, for any world size
     confusion: torch.Tensor     # [classes, classes] int64, rows true class, columns prediction, all ranks
     examples: dict              # rank 0's: {name: (uint8 images, predictions, true classes)} for TensorBoard
@@ -327,7 +343,7 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime, batch_size: int = 200,
              keep: int = 32) -> Evaluation:
-    """Loss, accuracy and confusion matrix over the whole test set.
+    """Loss, accuracy (and any metric added to `sums`) and confusion matrix over the whole test set.
 
     Each rank takes its own unpadded strided shard and runs the unwrapped model (no
     collectives inside); one all-reduce of the sums and the confusion matrix then gives
@@ -337,7 +353,11 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
     model.eval()
     n = len(split.classes)
     mine = torch.arange(rt.rank, len(split), rt.world_size, device=rt.device)
-    sums = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, images
+    # Sums over the test images, each reported as its mean: test_<name> in the epoch's line
+    # and metrics.jsonl, test/<name> in TensorBoard. A metric of your own is a name here and
+    # a line in the loop that adds to it.
+    sums = {name: torch.zeros((), dtype=torch.float64, device=rt.device) for name in ("loss", "accuracy")}
+    counted = torch.zeros((), dtype=torch.float64, device=rt.device)  # test images
     confusion = torch.zeros(n * n, dtype=torch.int64, device=rt.device)
     shown, shown_pred, wrong, wrong_pred = [], [], [], []
     chunks = [mine[start: start + batch_size] for start in range(0, len(mine), batch_size)]
@@ -345,8 +365,9 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=options.amp):
             logits = model(normalize(images, split.mean, split.std, options.channels_last))
         pred = logits.argmax(1)
-        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        sums[1] += len(idx)
+        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
+        sums["accuracy"] += (pred == y).sum()
+        counted += len(idx)
         confusion += torch.bincount(y * n + pred, minlength=n * n)
         if rt.is_main and not shown:
             shown, shown_pred = [idx[:keep]], [pred[:keep]]
@@ -355,16 +376,16 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
             wrong.append(idx[miss])
             wrong_pred.append(pred[miss])
     model.train()
-    all_reduce(sums, "the all-reduce of the test figures")
+    totals = all_reduce(torch.stack([counted, *sums.values()]), "the all-reduce of the test figures").tolist()
     all_reduce(confusion, "the all-reduce of the test figures")
-    loss_sum, count = sums.tolist()
+    count, metrics = totals[0], {name: total / totals[0] for name, total in zip(sums, totals[1:], strict=True)}
     confusion = confusion.view(n, n).cpu()
     examples = {}
     for name, indices, predictions in (("predictions", shown, shown_pred), ("misclassified", wrong, wrong_pred)):
         if indices:
             chosen = torch.cat(indices)[:keep].cpu()
             examples[name] = (split.pictures(chosen), torch.cat(predictions)[:keep].cpu(), split.labels[chosen].cpu())
-    return Evaluation(loss_sum / count, confusion.trace().item() / count, int(count), confusion, examples)
+    return Evaluation(metrics, int(count), confusion, examples)
 
 
 # ----------------------------------------------------------------------------- the training loop
@@ -422,7 +443,7 @@ def prepare_and_train(job: jobs.Job) -> None:
     run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},
                         images_per_rank=len(train_set) // rt.world_size, batch_size=batch_size,
                         epochs=recipe.epochs, max_steps=recipe.max_steps, hparams=hparams(recipe, options, rt.world_size),
-                        classes=train_set.classes, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
+                        classes=train_set.classes, shape=train_set.shape, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
     train(run, recipe, options, rt, model, raw_model, optimizer, average, train_set, test_set)
 
 

@@ -192,7 +192,7 @@ def set_deterministic() -> None:
     """--deterministic: bit-identical GPU runs and resumes. cuDNN picks deterministic
     kernels and no benchmarking, cuBLAS a fixed workspace, and every operation without a
     deterministic implementation stops the run (nondeterministic_operation names it).
-    CPU runs are bit-identical without it."""
+    CPU runs at the same thread count are bit-identical without it."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

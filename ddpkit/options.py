@@ -52,8 +52,8 @@ class RunOptions:
     channels_last: bool = option(False, "channels-last memory layout for convolutions", "speed")
     compile: bool = option(False, "torch.compile the model (slow first steps; needs a C++ compiler on CPUs)", "speed")
     deterministic: bool = option(False, "bit-identical GPU runs and resumes: deterministic cuDNN and cuBLAS kernels, "
-                                 "torch.use_deterministic_algorithms (slower on GPUs; CPU runs are bit-identical "
-                                 "without it)", "speed")
+                                 "torch.use_deterministic_algorithms (slower on GPUs; CPU runs at the same thread count "
+                                 "are bit-identical without it)", "speed")
     cuda_graphs: bool = option(False, "replay each training step (forward, backward, optimizer) as one CUDA graph "
                                "instead of launching its kernels one by one (one GPU; not with --compile)", "speed")
     # output

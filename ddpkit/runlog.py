@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,18 @@ def gpu_figures(device: torch.device) -> dict:
     except Exception:  # no NVML bindings installed: memory alone
         pass
     return figures
+
+
+def view_command(log_dir: Path) -> str:
+    """The command that shows these runs, to paste from where this run started: the project's
+    tensorboard.sh (which prints the tunnel and finds the .venv) when it sits beside ddpkit/,
+    else TensorBoard itself."""
+    script = Path(__file__).resolve().parents[1] / "tensorboard.sh"
+    if not script.exists():
+        return f"tensorboard --logdir {shlex.quote(str(log_dir))}"
+    shown = os.path.relpath(script)
+    shown = str(script) if shown.startswith("..") else os.path.join(".", shown)
+    return f"{shlex.quote(shown)} --logdir {shlex.quote(str(log_dir))}"
 
 
 def usable_cpus() -> int:
@@ -211,8 +224,9 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, options: dict, hparams: HParams, environment: dict, resumed_step: int,
                  classes: tuple[str, ...], log_every: int, progress_every: float, note: str = ""):
-        # For sweep.py summary and anyone reading the directory: what this attempt runs with.
-        (run_dir / "run.json").write_text(json.dumps({"config": options, "environment": environment}))
+        # For sweep.py summary and anyone reading the directory: what this attempt runs with;
+        # replaced whole, so that a reader never meets it empty or half written.
+        replace_text(run_dir / "run.json", json.dumps({"config": options, "environment": environment}))
         self.log_every, self.progress_every, self.classes = log_every, progress_every, classes
         self.last_progress = time.monotonic()
         # The run goes on from resumed_step (0: from the start) and repeats what came after
@@ -245,7 +259,7 @@ class RunLogger:
         self.writer.flush()
         print(f"config: {json.dumps(options)}")
         print(f"environment: {json.dumps(environment)}")
-        print(f"TensorBoard logs: {run_dir}  (view: tensorboard --logdir {run_dir.parent})", flush=True)
+        print(f"TensorBoard logs: {run_dir}  (view: {view_command(run_dir.parent)})", flush=True)
 
     def step(self, step: int, loss: torch.Tensor, epoch: int, step_in_epoch: int, steps_per_epoch: int) -> None:
         """Called every step; reads the loss (a device sync) only when something is due."""
@@ -266,19 +280,22 @@ class RunLogger:
         record["seconds_to_best"] = self.to_best
 
     def epoch(self, record: dict, evaluation, pictures: bool) -> None:
-        """The epoch's line, record and scalars; with `pictures`, the evaluation's examples
-        ({name: (uint8 images [k, C, H, W], predictions, true classes)}) and its confusion matrix."""
+        """The epoch's line, record and scalars (each of the evaluation's metrics as
+        test/<name>); with `pictures`, the evaluation's examples ({name: (uint8 images
+        [k, C, H, W], predictions, true classes)}) and its confusion matrix."""
         self.add_epoch_time(record)
         if self.show_progress:
             print("\r\033[K", end="")
+        added = "".join(f"| test {name} {record[f'test_{name}']:.4f} " for name in evaluation.metrics
+                        if name not in ("loss", "accuracy"))
         line = (f"epoch {record['epoch']:3d} | train loss {record['train_loss']:.4f} | test loss {record['test_loss']:.4f} "
-                f"| test acc {100 * record['test_accuracy']:6.2f}% | lr {record['lr']:.2e} "
+                f"| test acc {100 * record['test_accuracy']:6.2f}% {added}| lr {record['lr']:.2e} "
                 f"| {record['images_per_s']:8.0f} img/s | {record['epoch_s']:6.2f} s")
         print(line, flush=True)
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         step = record["step"]
-        for tag, key in (("train/loss", "train_loss"), ("test/loss", "test_loss"), ("test/accuracy", "test_accuracy"),
+        for tag, key in (("train/loss", "train_loss"), *((f"test/{name}", f"test_{name}") for name in evaluation.metrics),
                          ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"), ("speed/epoch_s", "epoch_s"),
                          ("memory/peak_rss_mb", "peak_rss_mb"), ("gpu/memory_gb", "gpu_memory_gb"),
                          ("time/seconds_to_best", "seconds_to_best"),

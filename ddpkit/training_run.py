@@ -57,9 +57,10 @@ class TrainingRun:
     def __init__(self, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path, state: Mapping[str, object],
                  saved_options: dict, classes: tuple[str, ...], progress: Progress, loss_sums: torch.Tensor, epochs: int,
                  max_steps: int, steps_per_epoch: int, schedule_offset: int, total_steps: int, logger,
-                 startup: StartupClock | None = None, time_limit: TimeLimit | None = None):
+                 startup: StartupClock | None = None, time_limit: TimeLimit | None = None,
+                 shape: tuple[int, int, int] | None = None):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
-        self.classes = classes
+        self.classes, self.shape = classes, shape  # what the data is, for every checkpoint
         self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
         self.epochs, self.max_steps, self.steps_per_epoch = epochs, max_steps, steps_per_epoch
         # The learning-rate schedule runs in this world size's steps (schedule_step of
@@ -181,7 +182,7 @@ class TrainingRun:
             raise self.diverged("the weights stopped being finite")
         started = time.perf_counter()
         path = save_checkpoint(self.run_dir, self.saved_options, self.classes, self.state, self.rt, self.progress,
-                               self.loss.saved(), self.options.keep_ckpts)
+                               self.loss.saved(), self.options.keep_ckpts, shape=self.shape)
         if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()
@@ -192,7 +193,9 @@ class TrainingRun:
         return Diverged(f"{what} at step {step} (epoch {self.progress.epoch})")
 
     def evaluate_here(self, evaluate: Callable[[], object]) -> None:
-        """Evaluate where training stands and log it as the epoch's record."""
+        """Evaluate where training stands and log it as the epoch's record. `evaluate` returns
+        the recipe's Evaluation: each of its metrics (name -> float; "loss" and "accuracy"
+        among them) goes into the record as test_<name>."""
         rt, progress = self.rt, self.progress
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
@@ -201,7 +204,7 @@ class TrainingRun:
         evaluation = evaluate()
         progress.last_record = {
             "epoch": progress.epoch, "step": progress.step, "train_loss": train_loss,
-            "test_loss": evaluation.loss, "test_accuracy": evaluation.accuracy, "test_images": evaluation.count,
+            **{f"test_{name}": value for name, value in evaluation.metrics.items()}, "test_images": evaluation.count,
             "lr": self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0,
             "images_per_s": self.trained * rt.world_size / max(train_seconds, 1e-9),
             "epoch_s": time.perf_counter() - self.epoch_started, "peak_rss_mb": peak_rss_mb(rt), **gpu_figures(rt.device)}

@@ -1,6 +1,7 @@
 """Adapting the template as README.md "Adapt it" says: your own image folder with only the
 command changed (through both data feeds, with 2 real Gloo ranks), your own model by
-replacing build_model, your own loss by replacing train_step.
+replacing build_model, your own loss by replacing train_step, your own test metric by two
+lines added to a copy of evaluate.
 
 The image folder is made here, not stored: 3 classes of 3x32x32 PNG images, each class a
 visible pattern (a bright row, column or diagonal) on noise.
@@ -9,12 +10,23 @@ visible pattern (a bright row, column or diagonal) on noise.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import CLASSES, assert_ok, load_params, make_image_folder, read_metrics, run_as_srun, run_python, run_single
+from conftest import (
+    CLASSES,
+    SCRIPT,
+    assert_ok,
+    load_params,
+    make_image_folder,
+    read_metrics,
+    run_as_srun,
+    run_python,
+    run_single,
+)
 from ddpkit.launch import EXIT_STOPPED
 
 
@@ -129,3 +141,36 @@ def test_own_model_or_loss_is_one_function(driver, folder, tmp_path):
     metrics = read_metrics(tmp_path / "runs" / "r")
     assert [m["epoch"] for m in metrics] == [1, 2, 3] and metrics[-1]["test_images"] == 60
     assert metrics[-1]["test_accuracy"] > 0.6, metrics
+
+
+def test_own_test_metric_is_two_lines_in_evaluate_and_reaches_the_line_the_jsonl_and_tensorboard(folder, tmp_path):
+    """README: a test metric of your own is two lines in evaluate, its name beside "loss" and
+    "accuracy" and the line that adds to it. Top-2 accuracy, added so to a copy of the
+    recipe and trained on 2 ranks, is in each epoch's line, in metrics.jsonl as
+    test_top2_accuracy and in TensorBoard as test/top2_accuracy; counted over every test
+    image of both ranks (at least the plain accuracy, at most 1), with the plain figures
+    under their names as before."""
+    source = SCRIPT.read_text()
+    names, adds = 'for name in ("loss", "accuracy")}', '        sums["accuracy"] += (pred == y).sum()\n'
+    assert source.count(names) == 1 and source.count(adds) == 1, "the lines README.md points at are gone"
+    script = tmp_path / "mnist_ddp.py"
+    script.write_text(source.replace(names, 'for name in ("loss", "accuracy", "top2_accuracy")}').replace(
+        adds, adds + '        sums["top2_accuracy"] += (logits.topk(2, 1).indices == y[:, None]).any(1).sum()\n'))
+    run_dir = tmp_path / "runs" / "top2"
+    results = run_as_srun(2, folder_args(folder, "--batch-size", "8", "--run-dir", str(run_dir)), cwd=tmp_path, job_id="",
+                          command=[sys.executable, str(script)])
+    for result in results:
+        assert_ok(result)
+    metrics = read_metrics(run_dir)
+    assert [m["test_images"] for m in metrics] == [60, 60, 60]
+    for m in metrics:
+        assert {"test_loss", "test_accuracy", "test_top2_accuracy"} <= set(m)
+        assert m["test_accuracy"] <= m["test_top2_accuracy"] <= 1 and m["test_top2_accuracy"] * 60 == round(
+            m["test_top2_accuracy"] * 60)
+        assert (f"| test acc {100 * m['test_accuracy']:6.2f}% | test top2_accuracy {m['test_top2_accuracy']:.4f} | lr "
+                in results[0].stdout), results[0].stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("test/top2_accuracy")]
+    assert logged == [(m["step"], pytest.approx(m["test_top2_accuracy"])) for m in metrics]
+    assert len(events.Scalars("test/accuracy")) == len(events.Scalars("test/loss")) == 3

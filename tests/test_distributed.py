@@ -2,9 +2,9 @@
 its label (the innermost one when nested), collective_of falls back to the background label,
 and, with two real Gloo ranks, a rank that has exited makes rank 0's broadcast_from_main,
 gather_to_all and wrap_ddp fail with an error that names that operation, which is what the
-lost-peer line (exit 4) says; and the device each rank takes (GPU requests, too few GPUs,
-GPUs torch cannot use, --amp before Ampere), from the launcher's facts and torch's count;
-and where --cuda-graphs cannot work (a CPU, --compile, several ranks), one line says so.
+lost-peer line (exit 4) says; and the device each rank takes (GPU requests, the local
+rank's GPU on a second node, too few GPUs, GPUs torch cannot use, --amp before Ampere),
+from the launcher's facts and torch's count; and where --cuda-graphs cannot work (a CPU, --compile, several ranks), one line says so.
 
     python -m pytest tests/test_distributed.py
 """
@@ -191,6 +191,17 @@ def srun_env(local_rank: int, tasks_per_node: str, **extra: str) -> dict:
 def test_gpus_per_node_each_rank_takes_its_own():
     env = srun_env(3, "4(x1)", SLURM_GPUS_ON_NODE="4", CUDA_VISIBLE_DEVICES="0,1,2,3")
     assert device_for(env, True, 4) == (torch.device("cuda", 3), "nccl")
+
+
+def test_a_rank_of_the_second_node_takes_the_gpu_of_its_local_rank():
+    """Global rank 3 is local rank 1 of the second node: it takes that node's GPU 1, not GPU 3
+    (which the node does not have), under srun and under torchrun alike."""
+    env = {**srun_env(1, "2(x2)", SLURM_GPUS_ON_NODE="2", CUDA_VISIBLE_DEVICES="0,1"), "SLURM_PROCID": "3",
+           "SLURM_NODEID": "1"}
+    assert device_for(env, True, 2) == (torch.device("cuda", 1), "nccl")
+    torchrun = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu1",
+                "MASTER_PORT": "20000", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert device_for(torchrun, True, 2) == (torch.device("cuda", 1), "nccl")
 
 
 def test_gpus_per_task_each_task_sees_one():

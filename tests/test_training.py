@@ -4,11 +4,14 @@ the model 1 process trains (the global batch is split among them), 2 ranks x bat
 process x batch 2B, a global batch that does not split is refused, seeded runs are bit-identical, evaluation with 3 ranks counts
 every test image once, TensorBoard's own reader finds the logged tags, the shards of an
 epoch are disjoint and the order of a seed is pinned, and the shift augmentation moves each
-image by at most one pixel, the same way for any world size.
+image by at most one pixel, the same way for any world size; --compile on 2 ranks still
+averages the gradients, evaluate's confusion matrix has the true class in its rows, and
+parameter groups keep their own lr and weight decay through the schedule and a resume.
 
     python -m pytest tests/test_training.py
 """
 
+import dataclasses
 import socket
 
 import pytest
@@ -19,7 +22,9 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 import mnist_ddp
 from conftest import assert_ok, load_params, make_image_folder, read_metrics, read_results, run_as_srun, run_single, run_torchrun
 from ddpkit import imagesets
+from ddpkit.checkpoints import load_optimizer
 from ddpkit.distributed import Runtime
+from ddpkit.optimizer import FusedAdamW
 from ddpkit.options import RunOptions
 
 HPARAMS = list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
@@ -108,6 +113,19 @@ def test_two_ranks_match_one_process_with_twice_the_batch(workdir):
         torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_compiled_two_ranks_still_average_gradients_as_one_compiled_process_at_twice_the_batch(workdir):
+    """--compile wraps the DDP model, so that the compiled step still all-reduces the
+    gradients: 2 ranks at batch 16 end with the weights of 1 process at batch 32."""
+    steps = ["--compile", "--epochs", "1", "--max-steps", "4", "--dropout", "0"]
+    for result in run_as_srun(2, [*steps, "--batch-size", "16", "--run-dir", "runs/ddp"], cwd=workdir):
+        assert_ok(result)
+    assert_ok(run_single([*steps, "--batch-size", "32", "--run-dir", "runs/one"], cwd=workdir, OMP_NUM_THREADS="1"))
+    ddp, one = load_params(workdir / "runs" / "ddp"), load_params(workdir / "runs" / "one")
+    assert ddp.keys() == one.keys()
+    for name in ddp:
+        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_one_two_and_four_ranks_train_the_same_model_from_the_same_global_batch(workdir):
     """The default keeps the global batch (128): each of 4 ranks takes 32 images a step."""
     steps = ["--epochs", "1", "--max-steps", "8", "--dropout", "0"]
@@ -130,7 +148,9 @@ def test_a_global_batch_that_does_not_split_among_the_ranks_is_refused_in_one_li
     assert [r.returncode for r in results] == [2] * 3
     assert results[0].stderr.strip().splitlines()[-1] == (
         f"mnist_ddp.py [rank 0/3 on {socket.gethostname()}]: error: --global-batch 128 does not split evenly among 3 "
-        "ranks; pass --global-batch 126 or 129 (a multiple of 3), or --batch-size N for N images per rank")
+        "ranks; run it on 1, 2, 4, 8, 16, 32, 64 or 128 ranks (they split it; a run resumes only with its own batch), "
+        "or, for a new run (another --run-name), pass --global-batch 126 or 129 (a multiple of 3), or --batch-size N for "
+        "N images per rank")
     assert not (workdir / "runs" / "three" / "checkpoints").exists()
 
 
@@ -193,8 +213,8 @@ def test_batchnorm_ranks_evaluate_rank_0s_model(workdir):
     _, test_set = imagesets.load_folder(folder, "memory", rt.device)
     alone = mnist_ddp.evaluate(model, test_set, RunOptions(), rt)
     assert alone.count == two_ranks["test_images"] == 33
-    assert alone.accuracy == two_ranks["test_accuracy"]
-    assert alone.loss == pytest.approx(two_ranks["test_loss"], rel=1e-5)
+    assert alone.metrics["accuracy"] == two_ranks["test_accuracy"]
+    assert alone.metrics["loss"] == pytest.approx(two_ranks["test_loss"], rel=1e-5)
 
 
 def test_batch_jobs_print_progress_lines(workdir):
@@ -255,3 +275,87 @@ def test_shift_augmentation_moves_images_by_one_pixel():
         if right:
             expected[:, 0 if right > 0 else -1] = 0
         assert torch.equal(shifted[i], expected), (down, right)
+
+
+class PredictsFromPixel(torch.nn.Module):
+    """Predicts the class written in an image's first pixel (0, 128 or 255 for 0, 1, 2)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -10 * (2 * x[:, :1, 0, 0] - torch.arange(3)) ** 2
+
+
+def test_evaluate_counts_the_confusion_matrix_rows_as_the_true_class_and_columns_as_the_prediction():
+    """7 test images in batches of 3, 3 of them wrong: the confusion matrix, the accuracy, the
+    loss and the misclassified examples, each as the true and predicted classes say."""
+    true = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    predicted = torch.tensor([0, 1, 1, 1, 2, 0, 2])
+    images = (predicted * 255 // 2 + (predicted == 1)).to(torch.uint8).view(7, 1, 1, 1).expand(7, 1, 2, 2).contiguous()
+    split = imagesets.ImageSet(true, images, None, ("a", "b", "c"), (0.0,), (1.0,))
+    rt = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
+    model = PredictsFromPixel()
+    result = mnist_ddp.evaluate(model, split, RunOptions(), rt, batch_size=3)
+    assert result.confusion.tolist() == [[1, 1, 0], [0, 2, 1], [1, 0, 1]]  # [true][predicted]
+    assert result.count == 7 and list(result.metrics) == ["loss", "accuracy"]
+    assert result.metrics["accuracy"] == 4 / 7
+    logits = model(images.float() / 255)
+    assert logits.argmax(1).tolist() == predicted.tolist()
+    assert result.metrics["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, true).item())
+    pictures, shown_predicted, shown_true = result.examples["misclassified"]
+    assert (shown_predicted.tolist(), shown_true.tolist()) == ([1, 2, 0], [0, 1, 2]) and torch.equal(pictures, images[[1, 4, 5]])
+    assert result.examples["predictions"][1].tolist() == [0, 1, 1] and model.training  # the first batch
+
+
+def test_parameter_groups_keep_their_own_lr_and_weight_decay_through_the_schedule_and_a_resume(tmp_path):
+    """A group built with its own lr and weight decay (here the first layer at a tenth of
+    --lr, without decay) follows the schedule at its own scale and keeps its decay; a resume
+    keeps both, and a resume with another --lr (--allow-changes) scales both groups anew."""
+    def build(lr: float):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        optimizer = FusedAdamW([{"params": model[0].parameters(), "lr": lr / 10, "weight_decay": 0.0},
+                                {"params": model[2].parameters()}], lr=lr, weight_decay=5e-4)
+        return model, optimizer
+
+    def groups(optimizer) -> tuple[list, list]:
+        return [g["lr"] for g in optimizer.param_groups], [g["weight_decay"] for g in optimizer.param_groups]
+
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    model, optimizer = build(1e-3)
+    for lr in (1e-3, 5e-4):
+        mnist_ddp.train_step(model, optimizer, lr, x, y)
+        assert groups(optimizer) == (pytest.approx([lr / 10, lr]), [0.0, 5e-4])
+    path = tmp_path / "optimizer.pt"
+    torch.save(optimizer.state_dict(), path)
+    for peak in (1e-3, 2e-3):  # resumed as it was, and with --lr 2e-3
+        model, resumed = build(peak)
+        load_optimizer(path, resumed, torch.load(path, weights_only=True))
+        assert [resumed.state[p]["step"].item() for p in model.parameters()] == [2] * 4
+        mnist_ddp.train_step(model, resumed, peak / 4, x, y)
+        assert groups(resumed) == (pytest.approx([peak / 40, peak / 4]), [0.0, 5e-4])
+
+
+def test_build_training_makes_the_model_its_average_and_adamw_as_the_recipe_says():
+    """One process: the model of the seed (the same on every rank), unwrapped unless compiled,
+    its weight average at --ema, AdamW at --lr and --weight-decay with beta2 0.99, and
+    dropout's random numbers seeded by seed + rank after it."""
+    recipe = mnist_ddp.Recipe(lr=2e-3, weight_decay=1e-4, ema=0.9, seed=3)
+    split = imagesets.ImageSet(torch.tensor([0, 1, 2]), torch.zeros(3, 1, 12, 12, dtype=torch.uint8), None, ("a", "b", "c"),
+                               (0.0,), (1.0,))
+    rt = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
+    model, raw_model, optimizer, average = mnist_ddp.build_training(recipe, RunOptions(), rt, split)
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    expected = mnist_ddp.build_model(recipe, (1, 12, 12), 3)
+    torch.manual_seed(3 + 0)
+    assert torch.equal(after, torch.rand(3))
+    assert model is raw_model and raw_model.state_dict().keys() == expected.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(raw_model.state_dict().values(), expected.state_dict().values(), strict=True))
+    assert average.decay == 0.9 and average.model is not raw_model
+    assert all(torch.equal(a, b) for a, b in zip(average.model.parameters(), raw_model.parameters(), strict=True))
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [(2e-3, (0.9, 0.99), 1e-4)]
+    assert optimizer.param_groups[0]["params"] == list(raw_model.parameters())
+    compiled, raw, _, none = mnist_ddp.build_training(dataclasses.replace(recipe, ema=0.0),
+                                                      RunOptions(compile=True, channels_last=True), rt, split)
+    assert none is None and compiled is not raw and compiled._orig_mod is raw
+    assert raw.features[2].weight.is_contiguous(memory_format=torch.channels_last)  # (64 x 16 x 3 x 3)
+    assert not raw_model.features[2].weight.is_contiguous(memory_format=torch.channels_last)

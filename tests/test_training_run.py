@@ -1,12 +1,14 @@
 """ddpkit/training_run.py in one process, with a real (tiny) model, AdamW, checkpoints on
 disk and the real per-step agreement: EpochLoss, checkpoints every N steps, a stop signal
 acted on one step later with a checkpoint, a loss that is not finite reported with its step
-and nothing saved, and where the run stands (done(), schedule_step).
+and nothing saved, where the run stands (done(), schedule_step), an epoch's train_loss that
+covers that epoch alone, and --ckpt-minutes counted from the last checkpoint.
 
     python -m pytest tests/test_training_run.py
 """
 
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from ddpkit.checkpoints import Progress, read_checkpoint
 from ddpkit.distributed import Runtime
 from ddpkit.launch import Diverged, Stopped, StopSignals
 from ddpkit.options import RunOptions
+from ddpkit.recovery import CheckpointClock
 from ddpkit.runlog import NullLogger
 from ddpkit.training_run import EpochLoss, TrainingRun
 
@@ -110,3 +113,35 @@ def test_schedule_step_counts_from_the_offset(tmp_path, stop):
     assert run.schedule_step == 5
     run.step_done(torch.tensor(0.7), 4)
     assert (run.progress.step, run.schedule_step) == (13, 6)
+
+
+def evaluation(accuracy: float = 0.5) -> SimpleNamespace:
+    """What the recipe's evaluate gives TrainingRun: its metrics and the test images counted."""
+    return SimpleNamespace(metrics={"loss": 1.0, "accuracy": accuracy}, count=10)
+
+
+def test_the_train_loss_of_a_later_epoch_covers_that_epoch_alone(tmp_path, stop):
+    run = make_run(tmp_path, stop, ckpt_every=0, epochs=3, steps_per_epoch=2)
+    records = []
+    for losses in ((1.0, 3.0), (0.5, 0.25), (0.1, 0.1)):
+        for loss in losses:
+            run.step_done(torch.tensor(loss), 4)
+        run.epoch_done(evaluation)
+        records.append(run.progress.last_record)
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert [r["train_loss"] for r in records] == pytest.approx([2.0, 0.375, 0.1])
+    assert [r["test_loss"] for r in records] == [1.0] * 3 and records[0]["test_images"] == 10
+    assert run.done()
+
+
+def test_after_a_checkpoint_on_the_clock_the_next_one_waits_the_interval_again(tmp_path, stop):
+    """--ckpt-minutes 1: one checkpoint a minute, counted from the last one, not from the start."""
+    now = [0.0]
+    run = make_run(tmp_path, stop, ckpt_every=0, epochs=10, steps_per_epoch=100)
+    run.clock = CheckpointClock(1, clock=lambda: now[0])
+    for step in range(1, 21):
+        now[0] = 15.0 * step  # a step every 15 s
+        run.step_done(torch.tensor(0.7), 4)
+    # The minute is up at step 4 (60 s); the next step saves (75 s) and the clock starts
+    # again there: up at step 9 (135 s), saved at step 10, and so on.
+    assert saved(tmp_path) == [f"ckpt-{s:08d}.pt" for s in (5, 10, 15, 20)]
