@@ -23,7 +23,7 @@ SAMPLE = ROOT / "data" / "mnist-sample"
 sys.path.insert(0, str(ROOT))
 
 # Tests that start a local Slurm cluster, network namespaces or sshd: `make test` runs
-# them all; `pytest -m "not slurm"` runs the rest (about 11 minutes on 2 cores).
+# them all; `pytest -m "not slurm"` runs the rest.
 SLURM_FIXTURES = {"one_node", "two_nodes", "three_nodes", "network"}
 SLURM_MODULES = ("test_slurm", "test_tunnel")
 
@@ -214,14 +214,16 @@ def wait_for_epoch_1(client: subprocess.Popen, submit_dir: Path) -> str:
     return logs[0].name.split("-")[-1].removesuffix(".out")
 
 
-@pytest.fixture(scope="module")
+# The clusters every test file shares live for the whole session: each start and stop costs
+# seconds, and no test leaves a cluster other than it found it (jobs end, rules are removed).
+@pytest.fixture(scope="session")
 def one_node(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("slurm1"), 1, clean_env(LOCAL_SLURM_PORT="16817"))
     yield cluster
     cluster.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_nodes(tmp_path_factory):
     """Each node's own name resolves to 127.0.1.1 there, as on many real clusters: the batch
     file must still find an address the other node reaches, and Gloo an interface."""

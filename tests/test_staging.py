@@ -12,12 +12,12 @@ it changed.
 
 import hashlib
 import http.server
-import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 
+import preloaded
 import pytest
 import torch
 
@@ -98,14 +98,18 @@ def test_two_jobs_share_one_data_dir(workdir, sample_files, checksums):
     mirror = Mirror(sample_files, delay=0.3)
     try:
         args = ["--dataset", "mnist", "--data-mirror", mirror.url, "--download-only"]
-        procs = [subprocess.Popen([*python_with_checksums(checksums), *args], cwd=workdir, env=clean_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        outputs = [p.communicate(timeout=120) for p in procs]
+        # Both started before either is waited on (forked with torch imported: preloaded.py).
+        jobs = [preloaded.Run(args, workdir, clean_env(), code=python_with_checksums(checksums)[2]) for _ in range(2)]
+        try:
+            results = [job.wait(120) for job in jobs]
+        finally:
+            for job in jobs:
+                job.kill()
     finally:
         mirror.close()
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert [r.returncode for r in results] == [0, 0], [(r.stdout, r.stderr) for r in results]
     assert mirror.requests == ONE_DOWNLOAD  # the second job waited, then found them
-    assert sum("staged MNIST" in out for out, _ in outputs) == 1
+    assert sum("staged MNIST" in r.stdout for r in results) == 1
 
 
 def test_offline_error_names_the_path_and_the_flags(workdir, checksums):

@@ -30,9 +30,11 @@ SHORT = ["--epochs", "2", "--max-steps", "60", "--log-every", "10", "--ckpt-ever
 
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
-    """Three runs side by side: a, b, and c, which was stopped at step 25 and resumed."""
+    """Three runs side by side: a, b, and c, which was stopped at step 25 and resumed. b is
+    only read for its tags: 10 steps (one logged point, one evaluation) hold them all."""
     workdir = tmp_path_factory.mktemp("tb")
-    for name, extra in (("a", []), ("b", ["--lr", "1e-3"]), ("c", ["--ckpt-every", "5", "--interrupt-at", "25:USR1"])):
+    for name, extra in (("a", []), ("b", ["--lr", "1e-3", "--max-steps", "10"]),
+                        ("c", ["--ckpt-every", "5", "--interrupt-at", "25:USR1"])):
         result = run_single([*SHORT, *extra, "--run-dir", f"runs/{name}"], cwd=workdir)
         assert result.returncode == (75 if extra[-1:] == ["25:USR1"] else 0), result.stderr
     assert_ok(run_single([*SHORT, "--ckpt-every", "5", "--run-dir", "runs/c"], cwd=workdir))
