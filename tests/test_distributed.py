@@ -282,6 +282,112 @@ def test_a_gpu_busy_in_exclusive_mode_and_a_node_without_gpus_are_named():
     assert invisible_gpu_cause("0", []) == "nvidia-smi lists no GPU on this node"
 
 
+# ----------------------------------------------------------------------------- the whole lines a user reads
+
+ASK_CPU = "or pass --device cpu to train on the CPU on purpose"
+
+
+@pytest.mark.parametrize("device, backend, flag", [("cuda", "auto", "--device cuda"), ("auto", "nccl", "--backend nccl")])
+def test_a_gpu_option_without_a_gpu_is_refused_naming_that_option(device, backend, flag):
+    with pytest.raises(UsageError) as refused:
+        pick_device(RunOptions(device=device, backend=backend), read_launch_env({}), False, 0)
+    assert str(refused.value) == (f"{flag} needs a CUDA GPU but torch sees none (CUDA_VISIBLE_DEVICES unset); use "
+                                  "--device cpu --backend gloo, or ask Slurm for a GPU")
+
+
+def test_device_cuda_takes_the_gpu_and_a_backend_given_is_kept():
+    assert pick_device(RunOptions(device="cuda"), read_launch_env({}), True, 1) == (torch.device("cuda", 0), "nccl")
+    assert pick_device(RunOptions(device="cuda", backend="gloo"), read_launch_env({}), True, 1) == (
+        torch.device("cuda", 0), "gloo")
+
+
+@pytest.mark.parametrize("granted", ["SLURM_GPUS_ON_NODE=2", ""])
+def test_more_ranks_than_gpus_is_refused_in_one_line_that_names_the_gpus_granted(granted):
+    env = srun_env(2, "4", SLURM_GPUS_ON_NODE="2") if granted else {
+        "RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu1",
+        "MASTER_PORT": "20000"}
+    with pytest.raises(UsageError) as refused:
+        device_for(env, True, 2)
+    assert str(refused.value) == (
+        f"4 ranks on this node but 2 GPU(s) visible to rank 2 ({granted or 'CUDA_VISIBLE_DEVICES unset'}): ranks would "
+        "share GPUs. Ask for one GPU per rank: --gpus-per-node=N with --ntasks-per-node=N, or --gpus-per-task=1 (srun "
+        "mode only: with LAUNCHER=torchrun, one task per node must see all its GPUs, so use --gpus-per-node)")
+
+
+def fake_nvidia_smi(directory: Path, cuda: str) -> str:
+    """An nvidia-smi of a node with GPUs 0 and 1 and a driver that runs CUDA up to `cuda`:
+    what pick_device reads of the node when torch sees none of them."""
+    directory.mkdir()
+    script = directory / "nvidia-smi"
+    script.write_text(f"""#!/bin/sh
+case "$1" in
+--query-gpu=*) echo "0, {NODE[0][1]}, Default"; echo "1, {NODE[1][1]}, Default" ;;
+*) echo "| NVIDIA-SMI 580.65.06    Driver Version: 580.65.06    CUDA Version: {cuda}     |" ;;
+esac
+""")
+    script.chmod(0o755)
+    return str(directory)
+
+
+def test_gpus_granted_that_torch_does_not_see_are_refused_with_the_nodes_driver_and_the_real_cause(tmp_path,
+                                                                                                  monkeypatch):
+    """The build suits the node's driver (as nvidia-smi says): the cause is CUDA_VISIBLE_DEVICES."""
+    if torch.version.cuda is None:
+        pytest.skip("a CPU-only build of torch is refused for being one")
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path / "bin", torch.version.cuda))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with pytest.raises(UsageError) as refused:
+        device_for({"SLURM_GPUS_ON_NODE": "1"}, False, 0)
+    assert str(refused.value) == (
+        "this job was given GPUs (SLURM_GPUS_ON_NODE=1) but torch sees none: CUDA_VISIBLE_DEVICES=7 names GPU 7, which "
+        "this node does not have (nvidia-smi lists 0, 1), so CUDA shows no GPU. "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) suits the driver 580.65.06 (CUDA up to "
+        f"{torch.version.cuda}); let Slurm set CUDA_VISIBLE_DEVICES (do not set it yourself), ask for a GPU of your "
+        f"own, {ASK_CPU}")
+
+
+def test_unusable_gpu_messages_whole():
+    assert unusable_gpu_message("SLURM_GPUS_ON_NODE=1", "13.0", "580.65.06", "13.0") == (
+        "this job was given GPUs (SLURM_GPUS_ON_NODE=1) but torch sees none: no GPU is visible. "
+        f"torch {torch.__version__} (CUDA 13.0) suits the driver 580.65.06 (CUDA up to 13.0); let Slurm set "
+        f"CUDA_VISIBLE_DEVICES (do not set it yourself), ask for a GPU of your own, {ASK_CPU}")
+    assert unusable_gpu_message("CUDA_VISIBLE_DEVICES=0", None, "", "") == (
+        f"this job was given GPUs (CUDA_VISIBLE_DEVICES=0) but torch cannot use them: torch {torch.__version__} is a "
+        "CPU-only build, the driver's version is unknown (no nvidia-smi on this node). Install a matching build: pip "
+        "install torch torchvision --index-url https://download.pytorch.org/whl/cuXYZ (a CUDA version your driver "
+        f"supports) ; {ASK_CPU}")
+    # A version's third number (a patch) does not make a build newer than the driver.
+    assert "suits the driver 580.65.06 (CUDA up to 12.8)" in unusable_gpu_message("X=0", "12.8.1", "580.65.06", "12.8")
+
+
+@pytest.mark.parametrize("visible, cause", [
+    ("0,7", "CUDA_VISIBLE_DEVICES=0,7 names GPU 7, which this node does not have (nvidia-smi lists 0, 1), so CUDA "
+            "shows only the GPUs before it"),
+    ("0,,1", "CUDA_VISIBLE_DEVICES=0,,1 names an empty entry, which this node does not have (nvidia-smi lists 0, 1), "
+             "so CUDA shows only the GPUs before it"),
+    ("MIG-4f2a,7", "CUDA_VISIBLE_DEVICES=MIG-4f2a,7 names GPU 7, which this node does not have (nvidia-smi lists 0, "
+                   "1), so CUDA shows only the GPUs before it"),
+    ("GPU-77b2", "nvidia-smi lists GPUs 0, 1 but CUDA cannot open them: in a container, pass them in (--nv for "
+                 "Apptainer, --gpus for Docker)"),
+], ids=["second-entry", "empty-entry", "mig-instance", "container"])
+def test_why_torch_sees_no_gpu_whole(visible, cause):
+    assert invisible_gpu_cause(visible, NODE) == cause
+
+
+def test_gpus_busy_or_prohibited_are_named_whole():
+    held = [("0", "GPU-a", "Exclusive_Process"), ("1", "GPU-b", "Exclusive_Process")]
+    assert invisible_gpu_cause(None, held) == ("GPU 0, 1 of this node is in exclusive-process mode: another process "
+                                               "probably holds it (nvidia-smi shows which)")
+    assert invisible_gpu_cause(None, [("0", "GPU-a", "Prohibited")]) == ("GPU 0 of this node is in prohibited mode: no "
+                                                                         "process may use it")
+
+
+def test_the_amp_warning_whole():
+    assert amp_warning(True, "Tesla T4", (7, 5)) == (
+        "warning: --amp uses bfloat16, which Tesla T4 (compute capability 7.5) only emulates: slower than without "
+        "--amp. Leave --amp off on GPUs older than Ampere (A100, RTX 30xx)")
+
+
 def test_deterministic_sets_cudnn_cublas_and_torchs_deterministic_algorithms(tmp_path):
     """In a real run's process: --deterministic turns all three on (and they stay off without it)."""
     code = ("import json, os, sys, torch, mnist_ddp; code = mnist_ddp.main(sys.argv[1:]); "
@@ -306,6 +412,7 @@ def test_an_operation_without_a_deterministic_implementation_is_named():
         torch.use_deterministic_algorithms(False)
     assert nondeterministic_operation(refused) == "put_"
     assert nondeterministic_operation(RuntimeError("CUDA error")) == ""
+    assert nondeterministic_operation(ValueError("put_ does not have a deterministic implementation")) == ""
 
 
 def test_deterministic_run_that_meets_such_an_operation_stops_in_one_line(tmp_path):
