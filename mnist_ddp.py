@@ -300,7 +300,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x:
                amp: bool = False, label_smoothing: float = 0.0) -> torch.Tensor:
     """One optimiser step at the schedule's `lr` (for --lr). A parameter group built with its own
     lr keeps its share of it: the lr a group is built with is its peak ("initial_lr", as torch's
-    schedulers call it), scaled by lr / --lr; its own weight decay is left as it is."""
+    schedulers call it), scaled by lr over the optimizer's own lr (build_training gives it --lr:
+    keep that, so a group without an lr of its own follows the schedule exactly); its own weight
+    decay is left as it is."""
     for group in optimizer.param_groups:
         group["lr"] = lr * (group.setdefault("initial_lr", group["lr"]) / optimizer.defaults["lr"])
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):

@@ -201,7 +201,7 @@ class Job:
                                                  changeable(type(recipe)), rt, run_dir)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
-            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes, shape)
+            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes=classes, shape=shape)
         self.progress = progress
         if progress.finished and run_is_done(progress, epochs, max_steps):
             longer = {"epochs": str(epochs + 4)} if progress.epoch > epochs else {}
