@@ -112,7 +112,8 @@ def check_lines(sweep_file: Path, runs: list[list[str]], sweep_dir: Path) -> Non
             with contextlib.redirect_stdout(io.StringIO()):
                 parse_options(mnist_ddp.Recipe, [*args, "--log-dir", str(sweep_dir), "--run-name", name], mnist_ddp.__doc__)
         except UsageError as err:
-            message = str(err).replace("(see --help)", "(python mnist_ddp.py --help lists the options)")
+            helps = shlex.join([sys.executable, str(HERE / "mnist_ddp.py"), "--help"])
+            message = str(err).replace("(see --help)", f"({helps} lists the options)")
             raise SweepError(f"{sweep_file}:{number}: {message}") from None
         except SystemExit:
             raise SweepError(f"{sweep_file}:{number}: --help trains nothing; delete it from the line") from None
