@@ -23,9 +23,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from ddpkit.checkpoints import replace_text
-from ddpkit.distributed import Runtime, all_ranks_agree
+from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
-from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, data_lock, files_stamp, walk_readable
+from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -169,28 +169,12 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
     feed, reason = choose_feed(wanted, size, ranks_on_node, rt.device)
     if rt.local_rank == 0:
         print(f"[rank {rt.rank}] data: {reason}", flush=True)
-    if dataset == "folder":
-        check_streamed_images(listing, facts, feed, rt)
     train, test = load(feed=feed, device=rt.device)
     # Each rank takes an equal share of the training images every epoch (and drops the rest).
     if len(train) < rt.world_size:
         raise UsageError(f"{len(train)} training image(s) in {data_dir} cannot be shared among {rt.world_size} ranks: every "
                          f"rank needs at least one; add training images, or run {len(train)} rank(s) at most")
     return train, test
-
-
-def check_streamed_images(listing: "FolderListing", facts: "FolderFacts", feed: str, rt: Runtime) -> None:
-    """A streamed image is decoded only when a batch needs it (a damaged test image: after
-    the first epoch): check them all before anything trains, each rank its share. Every rank
-    takes part in the agreement, as ranks on different nodes may choose different feeds."""
-    error = ""
-    try:
-        if feed == "stream":
-            check_images([path for path, _ in listing.train + listing.test][rt.rank::rt.world_size], facts.shape)
-    except UsageError as err:
-        error = str(err)
-    if not all_ranks_agree(not error, rt, "the check of the streamed images"):
-        raise UsageError(error or "another rank found an image it cannot read; see its error above")
 
 
 # ----------------------------------------------------------------------------- choosing the feed
@@ -302,7 +286,9 @@ class FolderListing:
 
 @dataclass(frozen=True)
 class FolderFacts:
-    """What reading every header and every training pixel once finds out (and the cache holds)."""
+    """What reading every header and every training pixel once finds out (and the cache holds),
+    every test image checked whole along the way (check_headers): a later start whose files
+    have the same fingerprint reads nothing but the cache."""
     shape: tuple[int, int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -404,16 +390,23 @@ def read_header(path: str, verify: bool = False) -> tuple[tuple[int, int], str]:
             if verify:
                 image.verify()
             return size, mode
+    except PermissionError as err:
+        raise cannot_read(path, err) from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise UsageError(f"cannot read {path} as an image ({type(err).__name__}: {err}); remove or replace it") from None
 
 
 def check_headers(listing: FolderListing) -> tuple[int, int, int]:
     """(C, H, W) shared by every image: 1 channel if all are grayscale, else 3. Refuses an
-    image of another size than the first (they are not resized: that would change the data)."""
+    image of another size than the first (they are not resized: that would change the data).
+
+    The test images are checked whole too (verify): streamed, one is decoded only at the
+    first evaluation, after a whole epoch. The training images need no such check: the
+    statistics decode every one of them next. Both run only when the statistics are measured."""
     paths = [path for path, _ in listing.train + listing.test]
+    verify = [False] * len(listing.train) + [True] * len(listing.test)
     with ThreadPoolExecutor(decode_threads()) as pool:  # threads hide the latency of network file systems
-        headers = list(pool.map(read_header, paths))
+        headers = list(pool.map(read_header, paths, verify))
     (width, height), _ = headers[0]
     for path, (size, _) in zip(paths, headers, strict=True):
         if size != (width, height):
@@ -421,18 +414,6 @@ def check_headers(listing: FolderListing) -> tuple[int, int, int]:
                              f"size; resize them first (e.g. with Pillow or ImageMagick's mogrify -resize {width}x{height}!)")
     channels = 1 if all(mode in GRAY_MODES for _, mode in headers) else 3
     return channels, height, width
-
-
-def check_images(paths: list[str], shape: tuple[int, int, int]) -> None:
-    """Refuse, in one line naming it, the first of these images that is damaged (read_header
-    with verify) or not of `shape`'s size, without decoding their pixels."""
-    with ThreadPoolExecutor(decode_threads()) as pool:  # threads hide the latency of network file systems
-        for path, ((width, height), _) in zip(paths, pool.map(functools.partial(read_header, verify=True), paths),
-                                              strict=True):
-            if (height, width) != shape[1:]:
-                raise UsageError(f"{path} is {width}x{height} but the other images are {shape[2]}x{shape[1]}: every "
-                                 f"image must have one size; resize it first (e.g. with mogrify -resize "
-                                 f"{shape[2]}x{shape[1]}!)")
 
 
 def decode_image(path: str, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -443,6 +424,8 @@ def decode_image(path: str, shape: tuple[int, int, int]) -> torch.Tensor:
                 # PIL's convert("L") clips 16-bit values at 255, which turns most of an image white.
                 image = Image.fromarray((np.array(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8))
             pixels = np.array(image.convert("L" if shape[0] == 1 else "RGB"))
+    except PermissionError as err:
+        raise cannot_read(path, err) from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise UsageError(f"cannot decode {path} ({type(err).__name__}: {err}); remove or replace it") from None
     if pixels.shape[:2] != shape[1:]:
@@ -503,7 +486,8 @@ def read_stats_cache(root: Path, fingerprint: str) -> FolderFacts | None:
     """The cached facts when they were measured on exactly these files, else None."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = json.loads((root / STATS_FILE).read_text())
-        if saved["format"] == STATS_FORMAT and saved["fingerprint"] == fingerprint:
+        # Only a cache that says the images were checked spares a start their check.
+        if saved["format"] == STATS_FORMAT and saved["fingerprint"] == fingerprint and saved["images_checked"] is True:
             return FolderFacts(tuple(saved["shape"]), tuple(saved["mean"]), tuple(saved["std"]))
     return None
 
@@ -512,7 +496,8 @@ def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
     """Write the cache atomically (a reader never sees half of it); "" or why it failed."""
     try:
         replace_text(root / STATS_FILE, json.dumps({"format": STATS_FORMAT, "fingerprint": fingerprint,
-                                                     "shape": facts.shape, "mean": facts.mean, "std": facts.std}) + "\n")
+                                                     "images_checked": True, "shape": facts.shape, "mean": facts.mean,
+                                                     "std": facts.std}) + "\n")
     except OSError as err:
         return err.strerror or str(err)
     return ""

@@ -218,8 +218,12 @@ def walk_readable(top: Path) -> tuple[list[str], list[str]]:
 
     Symlinks to files and to folders are followed, but no folder is entered twice: a symlink
     loop (class/loop -> ..) or a second link to a folder already read would count its images
-    again, so it is refused by name, as are a broken symlink and what cannot be read. Every
-    reader of an image folder (the listing, its fingerprint, the node-local copy) walks it here."""
+    again, so it is refused by name, as are a broken symlink and a folder that cannot be
+    listed. Every reader of an image folder (the listing, its fingerprint, the node-local
+    copy) walks it here, on every rank: a plain file or folder is told by the type its
+    directory entry records, so only folders and symlinks cost a stat (files_stamp makes the
+    one stat of each file). A file that cannot be read is named by whatever reads it first
+    (cannot_read)."""
     folders, files, seen = [], [], {}
 
     def visit(folder: str) -> None:
@@ -230,17 +234,17 @@ def walk_readable(top: Path) -> tuple[list[str], list[str]]:
         seen[stat.st_dev, stat.st_ino] = folder
         folders.append(folder)
         try:
-            with os.scandir(folder) as entries:
-                names = sorted(entry.name for entry in entries if not entry.name.startswith("."))
+            with os.scandir(folder) as listed:
+                entries = sorted((entry for entry in listed if not entry.name.startswith(".")), key=lambda e: e.name)
+                subfolders = []
+                for entry in entries:
+                    # is_dir() of a plain entry reads the type scandir already has (no stat), unless
+                    # the file system leaves it unknown; a symlink is stat'ed to follow it.
+                    is_folder = (stat_lib.S_ISDIR(readable_stat(entry.path).st_mode) if entry.is_symlink()
+                                 else entry.is_dir(follow_symlinks=False))
+                    (subfolders if is_folder else files).append(entry.path)
         except OSError as err:
             raise UsageError(f"cannot list {folder} ({err.strerror or err}): make it readable, or remove it") from None
-        subfolders = []
-        for name in names:
-            path = os.path.join(folder, name)
-            if stat_lib.S_ISDIR(readable_stat(path).st_mode):
-                subfolders.append(path)
-            else:
-                files.append(path)
         for path in subfolders:
             visit(path)
 
@@ -250,17 +254,21 @@ def walk_readable(top: Path) -> tuple[list[str], list[str]]:
 
 def readable_stat(path: str) -> os.stat_result:
     """The stat of what `path` names (through symlinks), refused in one line when it is a
-    broken symlink or cannot be read."""
+    broken symlink or cannot be reached."""
     try:
-        stat = os.stat(path)
+        return os.stat(path)
     except OSError as err:
         if os.path.islink(path) and err.errno in (errno.ENOENT, errno.ENOTDIR):
             raise UsageError(f"{path} is a broken symlink (to {os.readlink(path)}, which does not exist): remove it, or "
                              "restore what it points to") from None
-        raise UsageError(f"cannot read {path} ({err.strerror or err}): make it readable, or remove it") from None
-    if not os.access(path, os.R_OK):
-        raise UsageError(f"cannot read {path} (permission denied): make it readable (chmod a+r), or remove it")
-    return stat
+        raise cannot_read(path, err) from None
+
+
+def cannot_read(path: str, err: OSError) -> UsageError:
+    """The one line for a file or folder that cannot be read, named (a permission, an I/O error)."""
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return UsageError(f"cannot read {path} (permission denied): make it readable (chmod a+r), or remove it")
+    return UsageError(f"cannot read {path} ({err.strerror or err}): make it readable, or remove it")
 
 
 def files_stamp(paths: list[str], root: Path) -> str:
@@ -268,7 +276,7 @@ def files_stamp(paths: list[str], root: Path) -> str:
     when any of them does (imagesets' statistics cache and the node-local copy go by it)."""
     stamps = []
     for path in paths:
-        stat = os.stat(path)
+        stat = readable_stat(path)
         stamps.append(f"{os.path.relpath(path, root)}\t{stat.st_size}\t{stat.st_mtime_ns}\n")
     return hashlib.sha256("".join(stamps).encode()).hexdigest()
 
@@ -304,6 +312,8 @@ def copy_folder(source: Path, local: Path) -> bool:
                 shutil.copy2(source / STATS_FILE, local / STATS_FILE)
             done.write_text(stamp)
         except OSError as err:
+            if err.errno in (errno.EACCES, errno.EPERM) and err.filename in every_file:
+                raise cannot_read(err.filename, err) from None  # an image this user cannot read: not the copy's fault
             raise UsageError(f"cannot copy {source} into the node-local {local} ({err.strerror or err}); free space "
                              "there or pass another --node-data-dir") from None
     return True

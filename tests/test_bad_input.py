@@ -432,6 +432,25 @@ def test_unreadable_image_is_refused_by_name():
     assert one_error_line(result) == f"cannot read {secret} (permission denied): make it readable (chmod a+r), or remove it"
 
 
+def test_unreadable_image_is_refused_by_name_when_copied_to_the_node():
+    """The node-local copy is what reads the file first: it names the file, not the copy."""
+    with tempfile.TemporaryDirectory() as top:
+        os.chmod(top, 0o755)
+        images = image_folder(Path(top) / "images")
+        secret = images / "train" / "row" / "000.png"
+        secret.chmod(0o000)
+        writable = Path(top) / "work"
+        writable.mkdir(mode=0o777)
+        writable.chmod(0o777)
+        cmd = [sys.executable, str(SCRIPT), "--dataset", "folder", "--data-dir", str(images), "--epochs", "1",
+               "--node-data-dir", str(writable / "node"), "--log-dir", str(writable / "runs")]
+        if os.geteuid() == 0:
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        result = subprocess.run(cmd, cwd=writable, env=clean_env(HOME=str(writable)), capture_output=True, text=True,
+                                timeout=120)
+    assert one_error_line(result) == f"cannot read {secret} (permission denied): make it readable (chmod a+r), or remove it"
+
+
 def test_fewer_training_images_than_ranks_is_one_line_naming_the_counts(tmp_path):
     """1 training image and 2 ranks: each rank would get 0 images and 0 steps."""
     images = image_folder(tmp_path / "images", train=1)

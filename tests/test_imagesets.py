@@ -23,16 +23,19 @@ import torch.nn.functional as F
 from PIL import Image
 
 from conftest import ROOT, clean_env
+from ddpkit.distributed import Runtime
 from ddpkit.imagesets import (
     STATS_FILE,
     ImageSet,
     choose_feed,
     folder_bytes,
     human_bytes,
+    list_folder,
     load_folder,
     load_mnist_like,
     normalize,
     read_folder,
+    read_splits,
     shift_images,
 )
 from ddpkit.launch import UsageError
@@ -209,6 +212,25 @@ def test_statistics_are_measured_cached_reused_and_renewed(tmp_path):
     assert not list(tmp_path.glob(f"{STATS_FILE}.tmp-*"))
 
 
+def test_a_later_start_on_an_unchanged_streamed_folder_opens_no_image(folder, monkeypatch):
+    """The first start checks every image once, where it measures the statistics (a PNG's
+    check reads it whole); a start (or requeue) whose files have the same fingerprint reads
+    only the cache, and a streamed set opens no image before its first batch. PIL's
+    Image.open is wrapped to count what each start opens."""
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda path, *args, **kwargs: opened.append(path) or real_open(path, *args, **kwargs))
+    one = Runtime(0, 0, 1, CPU, "none", True)
+    first, _ = read_splits("folder", folder, "stream", one, ranks_on_node=1)
+    images = {str(path) for part in ("train", "test") for path in (folder / part).rglob("*.*")}
+    assert first.feed == "stream" and set(map(str, opened)) == images and len(images) == 18
+    opened.clear()
+    again, _ = read_splits("folder", folder, "stream", one, ranks_on_node=1)
+    assert again.feed == "stream" and (again.mean, again.std) == (first.mean, first.std)
+    assert opened == []
+    assert json.loads((folder / STATS_FILE).read_text())["images_checked"] is True
+
+
 def test_read_only_folder_loads_with_one_warning(tmp_path):
     """Mounted read-only (as root, permissions alone would not stop the write): the
     statistics are measured without a cache, one warning says so, and the set loads."""
@@ -296,6 +318,36 @@ def test_symlinked_files_and_folders_are_read_once_each(folder):
     (folder / "train/cat/linked.png").symlink_to(folder / "train/cat/0.png")
     train, _ = load_folder(folder, "memory", CPU, verbose=False)
     assert len(train) == 12 + 2 and train.labels.tolist().count(1) == 5
+
+
+def test_listing_a_folder_stats_each_file_once_and_each_folder_and_symlink(folder, monkeypatch):
+    """Every rank lists the folder at every start: on a parallel file system each metadata call
+    costs a round trip to its server. A plain entry's type comes with the directory listing;
+    only folders (for the loop check) and symlinks (to follow them) are stat'ed there, and
+    the fingerprint stats each file once. os.stat and os.access are wrapped to count calls."""
+    (folder / "train/bee/more").symlink_to(folder.parent / "more-bees", target_is_directory=True)
+    (folder.parent / "more-bees").mkdir()
+    Image.fromarray(class_pattern(1, seed=77)).save(folder.parent / "more-bees/extra.png")
+    (folder / "train/cat/linked.png").symlink_to(folder / "train/cat/0.png")
+    calls = {"stat": 0, "access": 0}
+    real_stat, real_access = os.stat, os.access
+
+    def counted_stat(*args, **kwargs):
+        calls["stat"] += 1
+        return real_stat(*args, **kwargs)
+
+    def counted_access(*args, **kwargs):
+        calls["access"] += 1
+        return real_access(*args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted_stat)
+    monkeypatch.setattr(os, "access", counted_access)
+    listing = list_folder(folder)
+    files, symlinks = len(listing.train) + len(listing.test), 2
+    folders = 3 + (1 + 3 + 1) + (1 + 3)  # the layout's checks (root, train/, test/), then each folder walked:
+    # train/ with its 3 classes and train/bee/more, test/ with its 3
+    assert files == 12 + 6 + 2
+    assert calls == {"stat": files + folders + symlinks, "access": 0}
 
 
 def test_broken_symlink_in_a_class_folder_is_refused_by_name(folder):
