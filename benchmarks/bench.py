@@ -219,11 +219,12 @@ def paired_worker(args) -> None:
     sys.exit(code)
 
 
-def paired_overhead(marks: list[dict], steps_per_epoch: int) -> list[dict]:
-    """Each epoch after the first: its wall time and the compute limit of its steps."""
+def paired_overhead(marks: list[dict], steps: list[int]) -> list[dict]:
+    """Each epoch after the first: its wall time and the compute limit of its steps (`steps`:
+    the step count at each evaluation; an epoch cut short by --max-steps has fewer)."""
     return [{"epoch_s": b["at"] - a["at"] - a["burst_s"],
-             "limit_s": steps_per_epoch * (a["limit_per_step_s"] + b["limit_per_step_s"]) / 2}
-            for a, b in itertools.pairwise(marks)]
+             "limit_s": (step_b - step_a) * (a["limit_per_step_s"] + b["limit_per_step_s"]) / 2}
+            for (a, step_a), (b, step_b) in itertools.pairwise(zip(marks, steps, strict=True))]
 
 
 def crossing(records: list[dict], target: float) -> tuple[float | None, int | None]:
@@ -321,14 +322,15 @@ def main() -> None:
 
     # 3. overhead: the defaults again, each epoch paired with bursts of the compute limit
     # measured in the same process on both sides of it (a few seconds apart)
-    paired_args = ["--dataset", "mnist-sample", "--data-dir", str(data_dir), "--image-every", "0", "--epochs", "2"] \
-        if args.quick else [*common, "--epochs", "5"]
+    # (quick: epoch 2 cut short a few steps in, and bursts of a few steps)
+    paired_args = ["--dataset", "mnist-sample", "--data-dir", str(data_dir), "--image-every", "0", "--epochs", "2",
+                   "--max-steps", "40"] if args.quick else [*common, "--epochs", "5"]
     run_dir = out / "runs" / "paired"
     shutil.rmtree(run_dir, ignore_errors=True)
-    run_timed([sys.executable, __file__, "paired", "--max-steps", "20" if args.quick else "150", "--json",
+    run_timed([sys.executable, __file__, "paired", "--max-steps", "5" if args.quick else "150", "--json",
                json.dumps([*paired_args, "--run-dir", str(run_dir)])], out / "paired.log", script_env(threads))
-    steps_per_epoch = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"]
-    pairs = paired_overhead(json.loads((run_dir / "marks.json").read_text()), steps_per_epoch)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pairs = paired_overhead(json.loads((run_dir / "marks.json").read_text()), steps)
     ratios = [p["epoch_s"] / p["limit_s"] for p in pairs]
     middle = sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]
     print(f"overhead: {' '.join(f'{r:.2f}' for r in ratios)} (epochs 2-{len(pairs) + 1})", flush=True)

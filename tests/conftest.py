@@ -5,6 +5,7 @@ Plain and srun-style runs are forked from a process that imported torch once (pr
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -135,6 +136,28 @@ def make_image_folder(root: Path, per_class: dict[str, int], size: int = 32, see
                     image[np.arange(size), np.arange(size), label] = 255
                 Image.fromarray(image).save(folder / f"{i:03d}.png")
     return root
+
+
+# A tiny image folder (3 classes x 8 training and 4 test images of 12 x 12): 24 training
+# images, so with --batch-size 8 an epoch is 3 steps, for tests of epochs, stops, resumes and printed lines that need
+# neither learning nor the sample's figures.
+TINY = {"train": 8, "test": 4}
+
+
+@pytest.fixture(scope="session")
+def tiny_images(tmp_path_factory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("tiny"), TINY, size=12)
+
+
+@pytest.fixture
+def tiny_folder(tiny_images: Path, tmp_path: Path) -> Path:
+    """The tiny folder, a copy of the test's own (a run caches the pixel statistics in it)."""
+    return Path(shutil.copytree(tiny_images, tmp_path / "tiny"))
+
+
+def on_folder(folder: Path) -> list[str]:
+    """The options that train on `folder` instead of the sample."""
+    return ["--dataset", "folder", "--data-dir", str(folder)]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -70,8 +70,10 @@ def test_own_image_folder_trains_through_both_feeds_alike(folder, tmp_path):
 def test_own_image_folder_resumes_bit_exactly_in_mid_epoch_while_streamed(folder, tmp_path):
     """2 streaming ranks stopped by SIGUSR1 in the middle of epoch 2 and continued end with
     the very weights of a run that was never stopped (dropout on: its random numbers too
-    must go on where they stopped, whatever the DataLoader draws)."""
-    args = folder_args(folder, "--batch-size", "8", "--data-feed", "stream", "--data-workers", "1", "--dropout", "0.2")
+    must go on where they stopped, whatever the DataLoader draws). 12 steps an epoch: step
+    14 is in epoch 2, the last."""
+    args = folder_args(folder, "--batch-size", "8", "--data-feed", "stream", "--data-workers", "1", "--dropout", "0.2",
+                       "--epochs", "2", "--image-every", "0")
     whole = tmp_path / "runs" / "whole"
     for result in run_as_srun(2, [*args, "--run-dir", str(whole)], cwd=tmp_path, job_id=""):
         assert_ok(result)

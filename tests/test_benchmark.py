@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, run_python
 
 
 def test_benchmark_quick_run(tmp_path):
@@ -32,9 +32,8 @@ def test_benchmark_quick_run(tmp_path):
 
 def test_gpu_mode_says_when_there_is_no_gpu(tmp_path):
     """--gpu on a machine without one: one line and a non-zero exit, before any run."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--gpu", "--quick", "--out",
-                             str(tmp_path / "out")], env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True,
-                            text=True, timeout=300)
+    result = run_python(["--gpu", "--quick", "--out", str(tmp_path / "out")], tmp_path,
+                        script=ROOT / "benchmarks" / "bench.py", timeout=300, CUDA_VISIBLE_DEVICES="")
     assert result.returncode != 0 and "bench.py: --gpu needs a CUDA GPU, and torch sees none" in result.stderr
 
 

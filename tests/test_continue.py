@@ -6,6 +6,7 @@ a missing or hanging scontrol means "not requeued", not a crash.
     python -m pytest tests/test_continue.py
 """
 
+import contextlib
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, assert_ok, clean_env, read_metrics, run_as_srun, run_single, run_torchrun
+from conftest import SCRIPT, assert_ok, clean_env, on_folder, read_metrics, run_as_srun, run_single, run_torchrun
 from ddpkit import jobs
 from ddpkit.checkpoints import read_checkpoint
 from ddpkit.jobs import requeue_slurm_job
@@ -156,10 +157,10 @@ def test_continue_line_leaves_out_resume_and_interrupt_at(workdir):
     assert [m["epoch"] for m in read_metrics(workdir / "runs" / "p")] == [1, 2]
 
 
-def test_train_it_longer_works_as_printed_twice(workdir):
+def test_train_it_longer_works_as_printed_twice(workdir, tiny_folder):
     """Each "to train it longer" line, run as printed, trains 4 more epochs; the second one
     too (it must not lose a token after a flag that the first one changed)."""
-    base = ["--epochs", "1", "--batch-size", "256", "--run-name", "l"]
+    base = [*on_folder(tiny_folder), "--epochs", "1", "--batch-size", "8", "--run-name", "l"]
     assert_ok(run_single(base, cwd=workdir))
     done = run_single(base, cwd=workdir)
     for epochs in (5, 9):
@@ -183,9 +184,9 @@ def test_divergence_advice_keeps_every_other_option(workdir):
     assert "resumed with changed options (--allow-changes): --lr 100000.0 there, 33300.0 here" in again.stdout
 
 
-def test_torchrun_continue_line_runs_as_printed(workdir):
-    stopped = run_torchrun(2, ["--epochs", "1", "--batch-size", "256", "--run-name", "tr", "--interrupt-at", "3:USR1"],
-                           cwd=workdir)
+def test_torchrun_continue_line_runs_as_printed(workdir, tiny_folder):
+    stopped = run_torchrun(2, [*on_folder(tiny_folder), "--epochs", "1", "--batch-size", "2", "--run-name", "tr",
+                               "--interrupt-at", "3:USR1"], cwd=workdir)
     assert "stopping on SIGUSR1 at step " in stopped.stdout, stopped.stderr[-2000:]  # torchrun itself exits 1
     assert f"to continue: {sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 " in stopped.stdout
     again = run_printed(stopped.stdout, "to continue: ", workdir, OMP_NUM_THREADS="1")
@@ -224,11 +225,11 @@ def test_after_ctrl_c_the_continue_line_works_with_no_environment_on_the_path(wo
     assert [m["epoch"] for m in read_metrics(workdir / "runs" / "bare")] == [1, 2]
 
 
-def test_torchrun_continue_line_works_with_no_torchrun_on_the_path(workdir):
+def test_torchrun_continue_line_works_with_no_torchrun_on_the_path(workdir, tiny_folder):
     """torchrun started as the interpreter's module (no torchrun on the PATH): the printed
     line starts the same ranks the same way."""
     stopped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                              str(SCRIPT), "--epochs", "1", "--batch-size", "256", "--run-name", "tb",
+                              str(SCRIPT), *on_folder(tiny_folder), "--epochs", "1", "--batch-size", "2", "--run-name", "tb",
                               "--interrupt-at", "3:USR1"], cwd=workdir,
                              env=clean_env(PATH=BARE_PATH, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                              timeout=300)
@@ -272,6 +273,98 @@ def test_a_refused_requeue_is_not_claimed(tmp_path, monkeypatch, capsys):
     assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
     assert "could not requeue Slurm job 99 (scontrol requeue: scontrol: error: Requested operation is presently " \
            "disabled for job 99)" in capsys.readouterr().out
+
+
+def recording_scontrol(directory: Path, output: Path, job_line: str, *, show: str = "", requeue: str = "") -> Path:
+    """An scontrol that writes each call's arguments to directory/calls and answers `show job`
+    with `job_line` (or runs `show` instead); `requeue` saves what the job's output file held
+    at that moment (the requeue ends the job's processes) and runs `requeue` (default: succeeds)."""
+    calls = directory / "calls"
+    fake_scontrol(directory, f"""#!/bin/sh
+echo "$*" >> {calls}
+if [ "$1" = requeue ]; then /bin/cp {output} {directory}/output-at-requeue; {requeue or "exit 0"}; fi
+{show or f'echo "{job_line}"'}
+""")
+    return calls
+
+
+@contextlib.contextmanager
+def job_output(path: Path):
+    """stdout as in a batch job: a block-buffered file. What the file holds is what a user
+    reading the job's output sees now, and what a kill would leave."""
+    with open(path, "w") as out, contextlib.redirect_stdout(out):
+        yield path.read_text
+
+
+def test_a_requeue_that_slurm_accepts_is_announced_before_it_and_claimed(tmp_path, monkeypatch):
+    output = tmp_path / "slurm-99.out"
+    calls = recording_scontrol(tmp_path / "bin", output, REQUEUEABLE)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with job_output(output):
+        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is True
+    assert calls.read_text() == "show job -o 99\nrequeue 99\n"
+    assert (tmp_path / "bin" / "output-at-requeue").read_text() == \
+        "requeueing Slurm job 99; it resumes from its last checkpoint\n"
+
+
+@pytest.mark.parametrize("job_line, line", [
+    (REQUEUEABLE.replace("BatchFlag=1", "BatchFlag=0"),
+     "Slurm job 99 is an interactive allocation (salloc), which Slurm does not requeue"),
+    (REQUEUEABLE.replace("Requeue=1", "Requeue=0"),
+     "Slurm job 99 may not be requeued (it was submitted without --requeue)"),
+], ids=["salloc", "no-requeue"])
+def test_a_job_that_slurm_would_not_requeue_is_not_asked_and_the_output_says_why_at_once(tmp_path, monkeypatch, job_line,
+                                                                                       line):
+    output = tmp_path / "slurm-99.out"
+    calls = recording_scontrol(tmp_path / "bin", output, job_line)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with job_output(output) as printed:
+        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert printed() == line + "\n"
+    assert calls.read_text() == "show job -o 99\n"
+
+
+def test_a_job_scontrol_cannot_show_is_not_requeued_and_its_error_is_named(tmp_path, monkeypatch):
+    output = tmp_path / "slurm-99.out"
+    calls = recording_scontrol(tmp_path / "bin", output, "",
+                               show='echo "scontrol: warning: slow"; echo "slurm_load_jobs error: Invalid job id '
+                                    'specified" >&2; exit 1')
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with job_output(output) as printed:
+        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert printed() == "could not requeue Slurm job 99 (scontrol show job: slurm_load_jobs error: Invalid job id " \
+                            "specified)\n"
+    assert calls.read_text() == "show job -o 99\n"
+
+
+@pytest.mark.parametrize("requeue, line", [
+    ("echo 'scontrol: error: Requested operation is presently disabled for job 99' >&2; exit 1",
+     "could not requeue Slurm job 99 (scontrol requeue: scontrol: error: Requested operation is presently disabled "
+     "for job 99)"),
+    ("exit 3", "could not requeue Slurm job 99 (scontrol requeue: exit 3)"),
+    ("exec /bin/sleep 30", "could not requeue Slurm job 99 (scontrol: Command '['scontrol', 'requeue', '99']' timed out "
+                           "after 1.0 seconds)"),
+], ids=["refused", "silent", "hangs"])
+def test_a_requeue_that_fails_is_not_claimed_and_the_output_says_why_at_once(tmp_path, monkeypatch, requeue, line):
+    output = tmp_path / "slurm-99.out"
+    recording_scontrol(tmp_path / "bin", output, REQUEUEABLE, requeue=requeue)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setattr(jobs, "SCONTROL_TIMEOUT", 1.0)
+    with job_output(output) as printed:
+        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert printed() == f"requeueing Slurm job 99; it resumes from its last checkpoint\n{line}\n"
+
+
+def test_no_job_id_or_no_scontrol_means_not_requeued_and_nothing_asked(tmp_path, monkeypatch):
+    output = tmp_path / "slurm-99.out"
+    calls = recording_scontrol(tmp_path / "bin", output, REQUEUEABLE)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with job_output(output) as printed:
+        assert requeue_slurm_job(Launch("single", 0, 0, 1, "127.0.0.1", 12345, "", 1)) is False
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert printed() == ""
+    assert not calls.exists()
 
 
 def test_a_stop_whose_requeue_fails_prints_the_continue_line_and_it_works(workdir, monkeypatch):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -164,15 +165,27 @@ def test_kill_during_the_last_evaluation_still_finishes_the_run(workdir):
     assert [m["epoch"] for m in read_metrics(workdir / "runs" / "k")] == [1]
 
 
-def test_another_world_size_keeps_the_step_count_and_the_logged_epochs(workdir):
+# 128 images per rank (not the default global batch): two ranks then take fewer steps an
+# epoch. With --keep-ckpts 1 the one-process run leaves one checkpoint, where it stopped.
+ONE_THEN_TWO = ["--epochs", "2", "--batch-size", "128", "--ckpt-every", "10", "--keep-ckpts", "1", "--run-name", "w"]
+
+
+@pytest.fixture(scope="module")
+def stopped_in_epoch_2(tmp_path_factory) -> Path:
+    """A working directory whose runs/w one process stopped in epoch 2 (made once; each test
+    continues a copy of it)."""
+    workdir = tmp_path_factory.mktemp("one-process")
+    first = run_single([*ONE_THEN_TWO, "--interrupt-at", f"{steps_per_epoch(128) + 10}:USR1"], cwd=workdir)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    return workdir
+
+
+def test_another_world_size_keeps_the_step_count_and_the_logged_epochs(workdir, stopped_in_epoch_2):
     """One process stops in epoch 2; two ranks go on (restarting that epoch, in their own
     steps), finish, and the finished run stays finished, with every epoch logged once and
     the newest checkpoint the last one written."""
-    per_epoch = steps_per_epoch(128)
-    # 128 images per rank (not the default global batch): two ranks then take fewer steps an epoch
-    args = ["--epochs", "2", "--batch-size", "128", "--ckpt-every", "10", "--run-name", "w"]
-    first = run_single([*args, "--interrupt-at", f"{per_epoch + 10}:USR1"], cwd=workdir)
-    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    per_epoch, args = steps_per_epoch(128), ONE_THEN_TWO
+    shutil.copytree(stopped_in_epoch_2 / "runs", workdir / "runs")
     second = run_torchrun(2, args, cwd=workdir)
     assert_ok(second)
     run_dir = workdir / "runs" / "w"
@@ -335,13 +348,12 @@ def test_stop_at_the_step_cap_still_finishes_the_run(workdir):
     assert [(m["epoch"], m["step"]) for m in read_metrics(workdir / "runs" / "cap")] == [(1, cap - 4), (2, cap)]
 
 
-def test_a_crash_right_after_a_world_size_change_loses_nothing(workdir):
+def test_a_crash_right_after_a_world_size_change_loses_nothing(workdir, stopped_in_epoch_2):
     """With --keep-ckpts 1 the only checkpoint is the one a 2-rank run resumes from (written
     by one process in mid-epoch). The 2-rank run saves where it goes on from before
     anything else, so a SIGKILL at its first step costs nothing: the next run resumes there."""
-    per_epoch = steps_per_epoch(128)
-    args = ["--epochs", "2", "--ckpt-every", "10", "--keep-ckpts", "1", "--run-name", "kc"]
-    assert run_single([*args, "--interrupt-at", f"{per_epoch + 10}:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    per_epoch, args = steps_per_epoch(128), ONE_THEN_TWO
+    shutil.copytree(stopped_in_epoch_2 / "runs", workdir / "runs")
     driver = workdir / "crash_at_first_step.py"
     driver.write_text("import os, signal, sys\nsys.path.insert(0, os.environ['PYTHONPATH'])\nimport mnist_ddp\n"
                       "mnist_ddp.train_step = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -352,9 +364,9 @@ def test_a_crash_right_after_a_world_size_change_loses_nothing(workdir):
     assert crashed.returncode != 0
     again = run_torchrun(2, args, cwd=workdir)
     assert_ok(again)
-    assert f"resumed from runs/kc/checkpoints/ckpt-{per_epoch:08d}.pt: epoch 2, step {per_epoch}" in again.stdout
+    assert f"resumed from runs/w/checkpoints/ckpt-{per_epoch:08d}.pt: epoch 2, step {per_epoch}" in again.stdout
     assert "starting the run over" not in again.stderr
-    set_aside = [p.name for p in (workdir / "runs" / "kc" / "checkpoints" / "superseded").glob("*/ckpt-*.pt")]
+    set_aside = [p.name for p in (workdir / "runs" / "w" / "checkpoints" / "superseded").glob("*/ckpt-*.pt")]
     assert set_aside == [f"ckpt-{per_epoch + 11:08d}.pt"]  # the one-process file, stopped one step after the signal
 
 

@@ -16,12 +16,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_sweep import hparams_sessions, run_sweep
+from test_sweep import hparams_sessions
 
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, run_python
 
 BIN = Path(sys.executable).parent
 NO_SLURM = str(BIN)  # a PATH without sbatch: `submit` checks and copies, and can reach no cluster
+
+
+def run_sweep(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """`python sweep.py ARGS`, forked with torch imported as run_single is (the runs it starts
+    are processes of their own)."""
+    return run_python(args, cwd, script=ROOT / "sweep.py", timeout=600, **env)
 
 
 def summary_states(sweep_dir: Path, option: str) -> dict[str, str]:
@@ -143,7 +149,9 @@ def test_every_line_is_checked_with_the_scripts_own_options_before_anything_is_w
     """A misspelt option, or a value mnist_ddp.py refuses, on any line: run and submit say
     so in one line that names the line and the problem, exit 2, and write, run and submit
     nothing."""
-    for bad, error in (("--lrr 1e-3", "unrecognized arguments: --lrr 1e-3 (python mnist_ddp.py --help lists the options)"),
+    helps = shlex.join([sys.executable, str(ROOT / "mnist_ddp.py"), "--help"])  # (the printed help line runs as it is)
+    assert subprocess.run(shlex.split(helps), capture_output=True, env=clean_env(PATH="/usr/bin:/bin")).returncode == 0
+    for bad, error in (("--lrr 1e-3", f"unrecognized arguments: --lrr 1e-3 ({helps} lists the options)"),
                        ("--epochs 0", "--epochs must be at least 1, got 0"),
                        ("--lr -1", "--lr must be a positive number, got -1.0"),
                        ("--model vgg", "argument --model: invalid choice: 'vgg' (choose from "),

@@ -16,11 +16,22 @@ import socket
 
 import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import mnist_ddp
-from conftest import assert_ok, load_params, make_image_folder, read_metrics, read_results, run_as_srun, run_single, run_torchrun
+from conftest import (
+    assert_ok,
+    load_params,
+    make_image_folder,
+    on_folder,
+    read_metrics,
+    read_results,
+    run_as_srun,
+    run_single,
+    run_torchrun,
+)
 from ddpkit import imagesets
 from ddpkit.checkpoints import load_optimizer
 from ddpkit.distributed import Runtime
@@ -176,11 +187,18 @@ def test_three_ranks_evaluate_every_test_image_once(workdir):
 
 
 @pytest.mark.parametrize("model", ["mlp", "resnet18"])
-def test_other_models_train(workdir, model):
-    result = run_single(["--model", model, "--epochs", "1", "--max-steps", "2", "--batch-size", "16",
+def test_other_models_train(workdir, tiny_folder, model):
+    """Each model trains, scores every test image and saves. resnet18 on the tiny folder in
+    grayscale (one channel, as MNIST's), whose 12 test images it scores in moments."""
+    data, test_images = [], 1000
+    if model == "resnet18":
+        for png in tiny_folder.rglob("*.png"):
+            Image.open(png).convert("L").save(png)
+        data, test_images = on_folder(tiny_folder), 12
+    result = run_single([*data, "--model", model, "--epochs", "1", "--max-steps", "2", "--batch-size", "16",
                          "--run-dir", f"runs/{model}"], cwd=workdir)
     assert_ok(result)
-    assert read_metrics(workdir / "runs" / model)[0]["test_images"] == 1000
+    assert read_metrics(workdir / "runs" / model)[0]["test_images"] == test_images
 
 
 @pytest.mark.parametrize("options", [["--amp", "--channels-last"], ["--compile"]], ids=["amp-channels-last", "compile"])
