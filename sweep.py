@@ -48,7 +48,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.sweeplines import PROG, SweepError, as_options, command, line_numbers, names_of, read_lines, task, varying
+from ddpkit.sweeplines import PROG, SweepError, as_options, command, line_numbers, names_of, read_lines, varying
 
 HERE = Path(__file__).resolve().parent
 
@@ -340,10 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("summary", help="the runs of a sweep directory, best first")
     p.add_argument("sweep_dir", type=Path)
     p.add_argument("--json", action="store_true", help="the same data as JSON")
-    p = commands.add_parser("task", help="the run name and options of one array task, as run_training.sbatch reads them "
-                            "(with ddpkit/sweeplines.py)")
-    p.add_argument("sweep_file", type=Path)
-    p.add_argument("index", type=int)
     # grid's options and submit's sbatch options are not ours to know: they come back unparsed.
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("grid", "submit"):
@@ -360,8 +356,6 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "summary":
             rows = collect(args.sweep_dir)
             print(json.dumps(rows, indent=1) if args.json else summary_table(rows))
-        elif args.command == "task":
-            print("\n".join(task(args.sweep_file, args.index)))
         return 0
     except SweepError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -30,6 +30,13 @@ def run_sweep(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedPro
     return run_python(args, cwd, script=ROOT / "sweep.py", timeout=600, **env)
 
 
+def read_task(sweep_file: str, index: str, cwd: Path) -> subprocess.CompletedProcess:
+    """What run_training.sbatch runs for an array task: ddpkit/sweeplines.py on the node's own
+    python3 (no venv, no torch)."""
+    return subprocess.run(["python3", str(ROOT / "ddpkit" / "sweeplines.py"), sweep_file, index], cwd=cwd,
+                          env=clean_env(PATH="/usr/bin:/bin"), capture_output=True, text=True, timeout=60)
+
+
 def summary_states(sweep_dir: Path, option: str) -> dict[str, str]:
     rows = json.loads(run_sweep(["summary", str(sweep_dir), "--json"], sweep_dir).stdout)
     return {r["options"][option]: r["state"] for r in rows}
@@ -55,7 +62,8 @@ def test_a_line_that_names_its_run_directory_is_refused_before_anything_is_writt
                                             f"--lr 3e-3 {option} --max-steps 1 --epochs 1\n")
         flag = option.split()[0].split("=")[0]
         for command in (["task", "named.txt", "0"], ["run", "named.txt"], ["submit", "named.txt"]):
-            result = run_sweep(command, tmp_path, PATH=NO_SLURM)
+            result = (read_task(*command[1:], tmp_path) if command[0] == "task" else
+                      run_sweep(command, tmp_path, PATH=NO_SLURM))
             assert result.returncode == 2, (option, command, result.stdout[-2000:], result.stderr[-2000:])
             assert result.stderr.startswith(f"sweep.py: error: named.txt:3: {flag}: a sweep names each run's directory "
                                             "itself") and result.stderr.count("\n") == 1, result.stderr
@@ -69,7 +77,7 @@ def test_a_hash_starts_a_comment_anywhere_and_quoted_values_keep_theirs(tmp_path
                                         "--lr 3e-3 --max-steps 2 --epochs 1 --data-dir 'data #1'  # baseline\n"
                                         "   # an indented comment\n"
                                         "--lr 3e-3 --max-steps 2 --epochs 1 --data-dir data\\#2  # the same, escaped\n")
-    task = run_sweep(["task", "notes.txt", "0"], tmp_path)
+    task = read_task("notes.txt", "0", tmp_path)
     assert (task.returncode, task.stdout) == (0, "data-dir=data__1\n--lr\n3e-3\n--max-steps\n2\n--epochs\n1\n"
                                                  "--data-dir\ndata #1\n"), task.stderr
     result = run_sweep(["run", "notes.txt"], tmp_path)
@@ -103,7 +111,8 @@ def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path)
     for name, error in (("latin1.txt", "latin1.txt:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"),
                         ("sweeps", "sweeps is a directory, not a sweep file")):
         for command in (["run", name], ["submit", name], ["task", name, "0"]):
-            result = run_sweep(command, tmp_path, PATH=NO_SLURM)
+            result = (read_task(*command[1:], tmp_path) if command[0] == "task" else
+                      run_sweep(command, tmp_path, PATH=NO_SLURM))
             assert (result.returncode, result.stderr) == (2, f"sweep.py: error: {error}\n"), (command, result.stderr[-2000:])
     assert not (tmp_path / "runs").exists()
     # A file that is not there: the message's example writes one, as printed (through a shell: it redirects).
@@ -112,7 +121,7 @@ def test_a_sweep_file_that_is_not_utf8_or_is_a_directory_gets_one_line(tmp_path)
     example = missing.stderr.split("let grid write them, e.g. ", 1)[1]
     assert example.endswith(" > 'my sweep.txt'\n")
     subprocess.run(["bash", "-c", example], cwd=tmp_path, env=clean_env(PATH="/usr/bin:/bin"), check=True, timeout=60)
-    written = run_sweep(["task", "my sweep.txt", "1"], tmp_path)
+    written = read_task("my sweep.txt", "1", tmp_path)
     assert (written.returncode, written.stdout) == (0, "lr=3e-3\n--lr\n3e-3\n--epochs\n4\n"), written.stderr
     # A sweep directory where a sweep file goes: the message names the command for its table,
     # and that command works as printed, from a LOG_DIR whose name needs quoting.
