@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -112,6 +113,26 @@ def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, j
             raise
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results
+
+
+def press_ctrl_c(command: list[str], cwd: Path, times: int = 1, **env: str) -> tuple[int, str]:
+    """Start `command` as a terminal would start it, and once it logged its first epoch send
+    SIGINT to its whole process group `times` times, 0.2 s apart, as Ctrl-C does. The
+    preexec_fn matters: a non-interactive shell starts background jobs with SIGINT ignored,
+    and Python then installs no KeyboardInterrupt handler. Returns (exit code, output)."""
+    proc = subprocess.Popen(command, cwd=cwd, env=clean_env(**{"OMP_NUM_THREADS": "1", **env}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("epoch   1 |"):
+            for _ in range(times):
+                os.killpg(proc.pid, signal.SIGINT)
+                time.sleep(0.2)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    return proc.returncode, "".join(seen) + rest
 
 
 CLASSES = ("column", "diagonal", "row")

@@ -7,7 +7,6 @@ a missing or hanging scontrol means "not requeued", not a crash.
 """
 
 import contextlib
-import os
 import re
 import shlex
 import signal
@@ -18,7 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPT, assert_ok, clean_env, on_folder, read_metrics, run_as_srun, run_single, run_torchrun
+from conftest import (
+    SCRIPT,
+    assert_ok,
+    clean_env,
+    on_folder,
+    press_ctrl_c,
+    read_metrics,
+    run_as_srun,
+    run_single,
+    run_torchrun,
+)
 from ddpkit import jobs
 from ddpkit.checkpoints import read_checkpoint
 from ddpkit.jobs import requeue_slurm_job
@@ -207,18 +216,8 @@ def run_as_printed(line: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_after_ctrl_c_the_continue_line_works_with_no_environment_on_the_path(workdir):
     """A real Ctrl-C (SIGINT to the process group) of a run started as the environment's
     interpreter by its path: the line printed runs that interpreter, and works as printed."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *FAST, "--run-name", "bare"], cwd=workdir,
-                            env=clean_env(PATH=BARE_PATH, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("epoch   1 |"):
-            os.killpg(proc.pid, signal.SIGINT)
-            break
-    out = "".join(seen) + proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_STOPPED, out[-3000:]
+    code, out = press_ctrl_c([sys.executable, str(SCRIPT), *FAST, "--run-name", "bare"], workdir, PATH=BARE_PATH)
+    assert code == EXIT_STOPPED, out[-3000:]
     again = run_as_printed(out.split("to continue: ")[1].splitlines()[0], workdir)
     assert_ok(again)
     assert re.search(r"resumed from runs/bare/checkpoints/ckpt-\d+\.pt: epoch 2", again.stdout), again.stdout[-2000:]

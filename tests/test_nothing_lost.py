@@ -18,14 +18,23 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import SAMPLE, SCRIPT, assert_ok, clean_env, read_metrics, run_python, run_single, run_torchrun
+from conftest import (
+    SAMPLE,
+    SCRIPT,
+    assert_ok,
+    clean_env,
+    press_ctrl_c,
+    read_metrics,
+    run_python,
+    run_single,
+    run_torchrun,
+)
 from ddpkit.checkpoints import read_checkpoint
 from ddpkit.launch import EXIT_DIVERGED, EXIT_STOPPED
 
@@ -279,24 +288,6 @@ def test_unnamed_runs_started_in_the_same_second_get_their_own_directories(workd
     run_dirs = sorted(p.name for p in (workdir / "runs").iterdir() if p.is_dir())
     assert run_dirs == ["20260101-000000", "20260101-000000-2", "20260101-000000-3", "20260101-000000-4"]
     assert all(len(read_metrics(workdir / "runs" / name)) == 1 for name in run_dirs)
-
-
-def press_ctrl_c(command: list[str], cwd: Path, times: int) -> tuple[int, str]:
-    """Start `command` as a terminal would start it, and once it logged its first epoch send
-    SIGINT to its whole process group `times` times, 0.2 s apart, as Ctrl-C does."""
-    proc = subprocess.Popen(command, cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("epoch   1 |"):
-            for _ in range(times):
-                os.killpg(proc.pid, signal.SIGINT)
-                time.sleep(0.2)
-            break
-    rest, _ = proc.communicate(timeout=300)
-    return proc.returncode, "".join(seen) + rest
 
 
 def test_ctrl_c_saves_a_checkpoint_and_records_it(workdir):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from test_sweep import hparams_sessions
 
-from conftest import ROOT, clean_env, run_python
+from conftest import ROOT, clean_env, press_ctrl_c, run_python
 
 BIN = Path(sys.executable).parent
 NO_SLURM = str(BIN)  # a PATH without sbatch: `submit` checks and copies, and can reach no cluster
@@ -311,7 +311,6 @@ def test_run_json_is_replaced_whole_so_a_kill_while_writing_it_leaves_the_last_o
 def test_ctrl_c_in_a_local_sweep_lets_the_run_save_and_the_printed_line_goes_on(tmp_path):
     """Ctrl-C reaches `sweep.py run` and its training run alike: the run saves and exits 75,
     the sweep stops there and prints how to go on, and that line finishes both runs."""
-    from test_nothing_lost import press_ctrl_c
 
     (tmp_path / "cc.txt").write_text("--epochs 2 --batch-size 256 --lr 3e-3\n--epochs 2 --batch-size 256 --lr 1e-3\n")
     code, out = press_ctrl_c([sys.executable, str(Path(__file__).parents[1] / "sweep.py"), "run", "cc.txt"], tmp_path, 1)
