@@ -112,28 +112,20 @@ def test_srun_style_two_ranks(workdir):
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
 
 
-def test_two_ranks_match_one_process_with_twice_the_batch(workdir):
-    steps = ["--epochs", "1", "--max-steps", "8", "--dropout", "0"]
-    for result in run_as_srun(2, [*steps, "--batch-size", "32", "--run-dir", "runs/ddp"], cwd=workdir):
+@pytest.mark.parametrize("extra, batch, steps", [([], 32, 8), (["--compile"], 16, 4)], ids=["eager", "compiled"])
+def test_two_ranks_match_one_process_with_twice_the_batch(workdir, extra, batch, steps):
+    """2 ranks at batch B end with the weights of 1 process at 2B: DDP averages the
+    gradients. Compiled too: --compile wraps the DDP model, so the compiled step still
+    all-reduces them."""
+    options = [*extra, "--epochs", "1", "--max-steps", str(steps), "--dropout", "0"]
+    for result in run_as_srun(2, [*options, "--batch-size", str(batch), "--run-dir", "runs/ddp"], cwd=workdir):
         assert_ok(result)
-    assert_ok(run_single([*steps, "--batch-size", "64", "--run-dir", "runs/one"], cwd=workdir, OMP_NUM_THREADS="1"))
+    assert_ok(run_single([*options, "--batch-size", str(2 * batch), "--run-dir", "runs/one"], cwd=workdir,
+                         OMP_NUM_THREADS="1"))
     ddp, one = load_params(workdir / "runs" / "ddp"), load_params(workdir / "runs" / "one")
     assert ddp.keys() == one.keys()
     for name in ddp:
         # Only the order of float additions differs (gradient all-reduce vs one big batch).
-        torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def test_compiled_two_ranks_still_average_gradients_as_one_compiled_process_at_twice_the_batch(workdir):
-    """--compile wraps the DDP model, so that the compiled step still all-reduces the
-    gradients: 2 ranks at batch 16 end with the weights of 1 process at batch 32."""
-    steps = ["--compile", "--epochs", "1", "--max-steps", "4", "--dropout", "0"]
-    for result in run_as_srun(2, [*steps, "--batch-size", "16", "--run-dir", "runs/ddp"], cwd=workdir):
-        assert_ok(result)
-    assert_ok(run_single([*steps, "--batch-size", "32", "--run-dir", "runs/one"], cwd=workdir, OMP_NUM_THREADS="1"))
-    ddp, one = load_params(workdir / "runs" / "ddp"), load_params(workdir / "runs" / "one")
-    assert ddp.keys() == one.keys()
-    for name in ddp:
         torch.testing.assert_close(ddp[name], one[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
