@@ -91,7 +91,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import imagesets, jobs, staging
+from ddpkit import imagesets, jobs
 from ddpkit.cuda_graphs import GraphedStep
 from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
 from ddpkit.imagesets import ImageSet, normalize
@@ -435,7 +435,7 @@ def prepare_and_train(job: jobs.Job) -> None:
     """This process's part of the job: data, model, the run (resumed where it stopped), the loop."""
     recipe, options, rt = job.recipe, job.options, job.rt
     with job.startup.phase("data"):  # (for the `ready in` line at the first step)
-        data_dir = staging.stage(options, recipe.dataset, rt)
+        data_dir = imagesets.stage(options, recipe.dataset, rt)
         if options.download_only:
             print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
             return

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from ddpkit import staging
 from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
+from ddpkit.options import RunOptions
 from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
 
 FEEDS = ("memory", "stream")
@@ -156,6 +158,13 @@ class FolderReader(Dataset):
 
 
 # ----------------------------------------------------------------------------- reading a data set
+
+def stage(options: RunOptions, dataset: str, rt: Runtime) -> Path:
+    """staging.stage, with --download-only of an image folder reading it as training would
+    (its layout, every header, its statistics measured and cached once); returns the
+    directory every rank reads the data from."""
+    return staging.stage(options, dataset, rt, check_folder=read_folder)
+
 
 def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on_node: int) -> tuple[ImageSet, ImageSet]:
     """(train, test) of --dataset (a name of staging.DATASET_CLASSES, or "folder") staged in

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -181,9 +182,11 @@ def node_data_dir(config: RunOptions) -> Path | None:
     return Path(path)
 
 
-def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
+def stage(run: RunOptions, dataset: str, rt: Runtime, check_folder: Callable[[Path], object] | None = None) -> Path:
     """The first rank of each node stages the data set while the others wait; returns the
-    directory every rank reads it from.
+    directory every rank reads it from. An image folder has nothing to fetch: with
+    --download-only, `check_folder` (imagesets.stage passes its read_folder) reads it as
+    training would, so that a folder that would fail the job fails here, before its queue wait.
 
     One rank per node (not one per job) also covers node-local data directories; on a
     shared one, the lock lets only the first of them download. With --node-data-dir the
@@ -200,9 +203,8 @@ def stage(run: RunOptions, dataset: str, rt: Runtime) -> Path:
                 if local is not None and stage_dataset(spec, local, source=data_dir, flag="--node-data-dir"):
                     print(f"[rank {rt.rank}] copied {spec.name} to {local} on {socket.gethostname()}", flush=True)
             else:
-                if run.download_only:  # nothing to fetch: check the folder as training reads it (and measure it once)
-                    from ddpkit.imagesets import read_folder  # (imported here: imagesets imports this module)
-                    read_folder(data_dir)
+                if run.download_only and check_folder:
+                    check_folder(data_dir)
                 if local is not None and copy_folder(data_dir, local):
                     print(f"[rank {rt.rank}] copied {data_dir} to {local} on {socket.gethostname()}", flush=True)
         except UsageError as err:
