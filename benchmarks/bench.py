@@ -98,6 +98,8 @@ def reference(args) -> None:
     cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": staging.fetcher(staging.MNIST_SAMPLE)}[args.dataset]
     train = cls(args.data_dir, train=True, transform=transforms.ToTensor())
     test = cls(args.data_dir, train=False, transform=transforms.ToTensor())
+    if args.test_images:  # (--quick: its evaluation, image by image through ToTensor, is most of its time)
+        test = torch.utils.data.Subset(test, range(min(args.test_images, len(test))))
     train_loader = torch.utils.data.DataLoader(train, batch_size=64, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test, batch_size=1000)
     model = Net()
@@ -273,6 +275,7 @@ def main() -> None:
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--test-images", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--target", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -311,7 +314,8 @@ def main() -> None:
     ref_json = out / "reference.json"
     seen = run_timed([sys.executable, __file__, "reference", "--dataset", dataset, "--data-dir", str(data_dir),
                       "--epochs", str(1 if args.quick else args.reference_epochs), "--target", str(target),
-                      "--max-steps", "20" if args.quick else "0", "--json", str(ref_json)],
+                      "--max-steps", "20" if args.quick else "0", "--test-images", "1000" if args.quick else "0",
+                      "--json", str(ref_json)],
                      out / "reference.log", {**os.environ, "OMP_NUM_THREADS": str(threads)})
     ref = json.loads(ref_json.read_text())
     for e in ref["epochs"]:

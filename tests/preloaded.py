@@ -40,6 +40,10 @@ def run_script(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
     # default of a process started afresh (the CPUs it may use).
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
+    # A process the forkserver starts inherits its start method: give back the platform's
+    # default, so that DataLoader workers start as in a process started afresh (not through
+    # a forkserver of this run's own, which would import torch again, seconds per epoch).
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = ["-c" if code else script, *args]
     status = 0
     try:

@@ -31,9 +31,9 @@ from conftest import (
     clean_env,
     press_ctrl_c,
     read_metrics,
+    run_as_srun,
     run_python,
     run_single,
-    run_torchrun,
 )
 from ddpkit.checkpoints import read_checkpoint
 from ddpkit.launch import EXIT_DIVERGED, EXIT_STOPPED
@@ -195,16 +195,16 @@ def test_another_world_size_keeps_the_step_count_and_the_logged_epochs(workdir, 
     the newest checkpoint the last one written."""
     per_epoch, args = steps_per_epoch(128), ONE_THEN_TWO
     shutil.copytree(stopped_in_epoch_2 / "runs", workdir / "runs")
-    second = run_torchrun(2, args, cwd=workdir)
-    assert_ok(second)
+    for second in run_as_srun(2, args, cwd=workdir, job_id=""):
+        assert_ok(second)
     run_dir = workdir / "runs" / "w"
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
     assert steps == [per_epoch, per_epoch + steps_per_epoch(128, ranks=2)]
     newest = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
     assert newest.name == f"ckpt-{steps[-1]:08d}.pt"
-    third = run_torchrun(2, args, cwd=workdir)
-    assert_ok(third)
+    for third in run_as_srun(2, args, cwd=workdir, job_id="")[::-1]:  # (rank 0's last)
+        assert_ok(third)
     assert f"runs/w is already complete (epoch 2, step {steps[-1]})" in third.stdout
     assert [m["step"] for m in read_metrics(run_dir)] == steps
 
@@ -345,16 +345,13 @@ def test_a_crash_right_after_a_world_size_change_loses_nothing(workdir, stopped_
     anything else, so a SIGKILL at its first step costs nothing: the next run resumes there."""
     per_epoch, args = steps_per_epoch(128), ONE_THEN_TWO
     shutil.copytree(stopped_in_epoch_2 / "runs", workdir / "runs")
-    driver = workdir / "crash_at_first_step.py"
-    driver.write_text("import os, signal, sys\nsys.path.insert(0, os.environ['PYTHONPATH'])\nimport mnist_ddp\n"
-                      "mnist_ddp.train_step = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
-                      "sys.exit(mnist_ddp.main(sys.argv[1:]))\n")
-    crashed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                              str(driver), *args], cwd=workdir, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True,
-                             text=True, timeout=300)
-    assert crashed.returncode != 0
-    again = run_torchrun(2, args, cwd=workdir)
-    assert_ok(again)
+    crash_at_first_step = ("import os, signal, sys\nsys.path.insert(0, os.environ['PYTHONPATH'])\nimport mnist_ddp\n"
+                           "mnist_ddp.train_step = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+                           "sys.exit(mnist_ddp.main(sys.argv[1:]))\n")
+    crashed = run_as_srun(2, args, cwd=workdir, job_id="", command=[sys.executable, "-c", crash_at_first_step])
+    assert all(rank.returncode != 0 for rank in crashed)
+    for again in run_as_srun(2, args, cwd=workdir, job_id="")[::-1]:  # (rank 0's last)
+        assert_ok(again)
     assert f"resumed from runs/w/checkpoints/ckpt-{per_epoch:08d}.pt: epoch 2, step {per_epoch}" in again.stdout
     assert "starting the run over" not in again.stderr
     set_aside = [p.name for p in (workdir / "runs" / "w" / "checkpoints" / "superseded").glob("*/ckpt-*.pt")]
