@@ -418,32 +418,22 @@ def test_image_folder_with_a_broken_symlink_is_one_line_with_or_without_node_dat
     assert not list((tmp_path / "node").glob("*/")), "nothing half-copied is left on the node"
 
 
-def test_unreadable_image_is_refused_by_name():
-    """As the unprivileged user nobody (root reads anything): a file it cannot read is named."""
+@pytest.mark.parametrize("split, copied", [("test", False), ("train", True)], ids=["read-in-place", "copied-to-the-node"])
+def test_unreadable_image_is_refused_by_name(split, copied):
+    """As the unprivileged user nobody (root reads anything): a file it cannot read is named,
+    by the check of --download-only, or by the node-local copy, which reads it first (the
+    file is named, not the copy)."""
     with tempfile.TemporaryDirectory() as top:
         os.chmod(top, 0o755)
         images = image_folder(Path(top) / "images")
-        secret = images / "test" / "row" / "000.png"
-        secret.chmod(0o000)
-        cmd = [sys.executable, str(SCRIPT), "--dataset", "folder", "--data-dir", str(images), "--download-only"]
-        if os.geteuid() == 0:
-            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-        result = subprocess.run(cmd, cwd=top, env=clean_env(HOME=top), capture_output=True, text=True, timeout=120)
-    assert one_error_line(result) == f"cannot read {secret} (permission denied): make it readable (chmod a+r), or remove it"
-
-
-def test_unreadable_image_is_refused_by_name_when_copied_to_the_node():
-    """The node-local copy is what reads the file first: it names the file, not the copy."""
-    with tempfile.TemporaryDirectory() as top:
-        os.chmod(top, 0o755)
-        images = image_folder(Path(top) / "images")
-        secret = images / "train" / "row" / "000.png"
+        secret = images / split / "row" / "000.png"
         secret.chmod(0o000)
         writable = Path(top) / "work"
         writable.mkdir(mode=0o777)
         writable.chmod(0o777)
-        cmd = [sys.executable, str(SCRIPT), "--dataset", "folder", "--data-dir", str(images), "--epochs", "1",
-               "--node-data-dir", str(writable / "node"), "--log-dir", str(writable / "runs")]
+        where = (["--epochs", "1", "--node-data-dir", str(writable / "node"), "--log-dir", str(writable / "runs")]
+                 if copied else ["--download-only"])
+        cmd = [sys.executable, str(SCRIPT), "--dataset", "folder", "--data-dir", str(images), *where]
         if os.geteuid() == 0:
             cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
         result = subprocess.run(cmd, cwd=writable, env=clean_env(HOME=str(writable)), capture_output=True, text=True,
