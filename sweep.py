@@ -80,9 +80,22 @@ def sweep_dir_for(sweep_file: Path, log_dir: Path) -> Path:
     return log_dir / name
 
 
+def recipe_module():
+    """mnist_ddp, the script beside this file, whose options and HParams a sweep uses; imported
+    here, not at the top, because summary must work without torch."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    try:
+        import mnist_ddp
+    except ImportError as err:
+        raise SweepError(f"cannot check the lines with mnist_ddp.py's options ({err}): run sweep.py with the interpreter "
+                         "that trains, e.g. .venv/bin/python sweep.py, or activate its environment") from None
+    return mnist_ddp
+
+
 def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
-    import mnist_ddp  # (check_lines imported it)
+    mnist_ddp = recipe_module()
     from ddpkit.options import RunOptions
     from ddpkit.runlog import declare_hparams as declare
     varied = [name.replace("-", "_") for name in varying(runs)]
@@ -98,12 +111,7 @@ def check_lines(sweep_file: Path, runs: list[list[str]], sweep_dir: Path) -> Non
     misspelt option or a value the script refuses stops the sweep here, naming its line,
     instead of failing that task after its queue wait. (mnist_ddp imports torch: about a
     second, once; each line then takes a millisecond.)"""
-    sys.path.insert(0, str(HERE))
-    try:
-        import mnist_ddp  # here, not at the top: summary must work without torch
-    except ImportError as err:
-        raise SweepError(f"cannot check the lines with mnist_ddp.py's options ({err}): run sweep.py with the interpreter "
-                         "that trains, e.g. .venv/bin/python sweep.py, or activate its environment") from None
+    mnist_ddp = recipe_module()
     from ddpkit.launch import UsageError
     from ddpkit.options import parse_options
     for number, name, args in zip(line_numbers(sweep_file), names_of(runs), runs, strict=True):
