@@ -55,7 +55,8 @@ class RunOptions:
                                  "torch.use_deterministic_algorithms (slower on GPUs; CPU runs at the same thread count "
                                  "are bit-identical without it)", "speed")
     cuda_graphs: bool = option(False, "replay each training step (forward, backward, optimizer) as one CUDA graph "
-                               "instead of launching its kernels one by one (one GPU; not with --compile)", "speed")
+                               "instead of launching its kernels one by one (one GPU; not with --compile; this path has not yet run on a GPU: "
+                               "only its refusals are tested)", "speed")
     # output
     log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "
