@@ -93,10 +93,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit import imagesets, jobs
-from ddpkit.cuda_graphs import GraphedStep
 from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
 from ddpkit.imagesets import ImageSet, normalize
-from ddpkit.optimizer import FusedAdamW
 from ddpkit.options import RunOptions, need, option
 from ddpkit.runlog import HParams
 from ddpkit.training_run import TrainingRun
@@ -277,10 +275,10 @@ def build_training(recipe: Recipe, options: RunOptions, rt: Runtime, data: Image
     average = WeightAverage(raw_model, recipe.ema) if recipe.ema else None
     torch.manual_seed(recipe.seed + rt.rank)  # dropout differs per rank, as its data does
     # beta2 0.99 instead of 0.999: the step sizes adapt within ~100 steps, not ~1,000 (docs/defaults.md).
-    # FusedAdamW is torch.optim.AdamW(fused=True), bit for bit: one pass over all the weights (on 2 CPU
-    # cores 0.5 ms instead of 1.4 ms, a tenth of the step; on a GPU, one kernel), without the seconds
-    # torch.optim takes to import torch._dynamo at start-up. Any torch.optim optimizer also works here.
-    optimizer = FusedAdamW(raw_model.parameters(), lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay)
+    # fused: one pass over all the weights (on 2 CPU cores 0.5 ms instead of 1.4 ms, a tenth of the
+    # step; on a GPU, one kernel). Any torch.optim optimizer also works here.
+    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=recipe.lr, betas=(0.9, 0.99),
+                                  weight_decay=recipe.weight_decay, fused=True)
     return model, raw_model, optimizer, average
 
 
@@ -393,15 +391,15 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
 
 # ----------------------------------------------------------------------------- the training loop
 
-def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, model: nn.Module, raw_model: nn.Module,
-          optimizer: torch.optim.Optimizer, average: WeightAverage | None, train_set: ImageSet,
+def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime, model: nn.Module,
+          raw_model: nn.Module, optimizer: torch.optim.Optimizer, average: WeightAverage | None, train_set: ImageSet,
           test_set: ImageSet) -> None:
-    """Each epoch: this rank's shard of the training set in batches, one optimiser step
-    each, then an evaluation of the (averaged) weights. `run` does everything around the
-    steps (the ranks' agreement, checkpoints, stops, logs): one call per step, one per epoch."""
+    """Each epoch: this rank's shard in batches, one optimiser step each, then an evaluation
+    of the (averaged) weights and a checkpoint. Every rank runs every line; `run` holds what
+    each event costs (ddpkit/training_run.py). A stop ends the loop with Stopped, and the job
+    runner requeues the Slurm job or prints the command that continues the run."""
     eval_model = average.model if average else raw_model
     batch_size = recipe.per_rank_batch(rt.world_size)
-    step = GraphedStep(train_step, rt.device, batch_size) if options.cuda_graphs else train_step  # (the same steps)
 
     def evaluate_now() -> Evaluation:
         sync_buffers(raw_model)  # every rank scores with rank 0's BatchNorm statistics
@@ -421,12 +419,22 @@ def train(run: TrainingRun, recipe: Recipe, options: RunOptions, rt: Runtime, mo
             if run.done():  # the --max-steps cap, in mid-epoch
                 break
             x = normalize(images, train_set.mean, train_set.std, options.channels_last)
-            loss = step(model, optimizer, lr_at(run.schedule_step, run.total_steps, recipe.lr), x, y, options.amp,
-                        recipe.label_smoothing)
+            loss = train_step(model, optimizer, lr_at(run.schedule_step, run.total_steps, recipe.lr), x, y, options.amp,
+                              recipe.label_smoothing)
             if average:
                 average.update(run.progress.step)
-            run.step_done(loss, len(y))
-        run.epoch_done(evaluate_now)
+            run.step_done(loss, len(y))  # counted and logged; the ranks agree on it while the next step runs
+            if run.checkpoint_due():  # every --ckpt-every steps or --ckpt-minutes, and before a stop
+                saved = run.checkpoint()
+                if run.stop_agreed():  # a signal, or the job's time limit near, on any rank: all stop here
+                    raise launch.Stopped(saved)
+        if run.evaluation_due():  # (once per step: not again after a resume from a checkpoint of this step)
+            run.evaluate(evaluate_now)
+        run.epoch_done()  # the next epoch starts (not at the --max-steps cap, in mid-epoch)
+        saved = run.checkpoint()
+        run.estimate_time_left()  # (after the first epoch) whether the run fits in the job's time
+        if run.ranks_agree_to_stop() and not run.done():  # asked for during the evaluation; finishing is quicker
+            raise launch.Stopped(saved)
     run.finish(evaluate_now, eval_model)
 
 
@@ -447,7 +455,8 @@ def prepare_and_train(job: jobs.Job) -> None:
                         images_per_rank=len(train_set) // rt.world_size, batch_size=batch_size,
                         epochs=recipe.epochs, max_steps=recipe.max_steps, hparams=hparams(recipe, options, rt.world_size),
                         classes=train_set.classes, shape=train_set.shape, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
-    train(run, recipe, options, rt, model, raw_model, optimizer, average, train_set, test_set)
+    train(run, recipe=recipe, options=options, rt=rt, model=model, raw_model=raw_model, optimizer=optimizer,
+          average=average, train_set=train_set, test_set=test_set)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.sweeplines import PROG, SweepError, as_options, command, line_numbers, names_of, read_lines, varying
+from ddpkit.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
 
 HERE = Path(__file__).resolve().parent
 
@@ -74,7 +74,7 @@ def grid(args: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------- launching
 
 def sweep_dir_for(sweep_file: Path, log_dir: Path) -> Path:
-    name = re.sub(r"[^\w.+=,@-]", "_", sweep_file.stem)
+    name = as_name(sweep_file.stem)
     if name in ("", ".", ".."):
         raise SweepError(f"{sweep_file}: its name gives no directory for the sweep (LOG_DIR/{name}); rename the file")
     return log_dir / name
@@ -116,7 +116,7 @@ def check_lines(sweep_file: Path, runs: list[list[str]], sweep_dir: Path) -> Non
     from ddpkit.options import parse_options
     for number, name, args in zip(line_numbers(sweep_file), names_of(runs), runs, strict=True):
         try:
-            # argparse prints --help (or a prefix of it, --he) and exits: not a run.
+            # argparse prints --help and exits: not a run.
             with contextlib.redirect_stdout(io.StringIO()):
                 parse_options(mnist_ddp.Recipe, [*args, "--log-dir", str(sweep_dir), "--run-name", name], mnist_ddp.__doc__)
         except UsageError as err:
@@ -338,14 +338,18 @@ def summary_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("grid", help="print every combination of the listed option values: --lr 1e-3 3e-3 --epochs 4")
-    p = commands.add_parser("submit", help="submit the sweep file as one Slurm job array; other options go to sbatch")
+    commands.add_parser("grid", allow_abbrev=False,
+                        help="print every combination of the listed option values: --lr 1e-3 3e-3 --epochs 4")
+    p = commands.add_parser("submit", allow_abbrev=False,
+                            help="submit the sweep file as one Slurm job array; other options go to sbatch")
     p.add_argument("sweep_file", type=Path)
     p.add_argument("--parallel", type=int, default=0, help="at most N tasks at once (sbatch --array=...%%N; 0: no limit)")
-    commands.add_parser("run", help="run the sweep file's runs one after another here").add_argument("sweep_file", type=Path)
-    p = commands.add_parser("summary", help="the runs of a sweep directory, best first")
+    commands.add_parser("run", allow_abbrev=False,
+                        help="run the sweep file's runs one after another here").add_argument("sweep_file", type=Path)
+    p = commands.add_parser("summary", allow_abbrev=False, help="the runs of a sweep directory, best first")
     p.add_argument("sweep_dir", type=Path)
     p.add_argument("--json", action="store_true", help="the same data as JSON")
     # grid's options and submit's sbatch options are not ours to know: they come back unparsed.

@@ -423,7 +423,7 @@ def photograph_sweep() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+                                     epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
     parser.add_argument("command", nargs="?", default="check", choices=("check", "write", "sample", "sweep", "tests"))
     parser.add_argument("junit", nargs="?", type=Path, help="tests: pytest's --junitxml file")
     parser.add_argument("--bench-out", type=Path, help="write: take bench.json and ranks.json from this directory first")

@@ -4,8 +4,6 @@ data, the model or the training step; mnist_ddp.py holds those.
   launch.py        who this process is in the job, stop signals, the start-up clock, exit codes (standard library only)
   options.py       RunOptions and the command line (the recipe's options and these, in groups)
   distributed.py   the device and backend, the process group, --deterministic, labelled collectives
-  optimizer.py     FusedAdamW: torch's fused AdamW, without torch.optim's seconds of imports
-  cuda_graphs.py   --cuda-graphs: the training step replayed as one CUDA graph on one GPU
   staging.py       data sets fetched or copied into the data directories, under a lock
   imagesets.py     a data set's splits held in memory or streamed by a DataLoader; image folders
   checkpoints.py   atomic saves, Progress, rotation, choosing and loading the checkpoint to resume

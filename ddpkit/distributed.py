@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.cuda_graphs import check_cuda_graphs
 from ddpkit.launch import Launch, UsageError
 from ddpkit.options import RunOptions
 
@@ -154,8 +153,6 @@ def amp_warning(amp: bool, gpu_name: str, capability: tuple[int, int]) -> str:
 def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
     cuda = torch.cuda.is_available()
     device, backend = pick_device(config, launch, cuda, torch.cuda.device_count() if cuda else 0)
-    if config.cuda_graphs:
-        check_cuda_graphs(device, launch.world_size, config.compile)
     if config.deterministic:
         set_deterministic()
     if device.type == "cuda":

@@ -9,10 +9,8 @@ import dataclasses
 import math
 import os
 import shlex
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -61,46 +59,17 @@ from ddpkit.options import RunOptions, changeable, flag, option_args, parse_opti
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
-from ddpkit.time_limit import TimeLimit, job_fields, read_job_times, requeue_of
-from ddpkit.training_run import TrainingRun
+from ddpkit.slurm_job import requeue_job
+from ddpkit.time_limit import TimeLimit, read_job_times
+from ddpkit.training_run import TrainingRun, new_run
 
 SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
 
 
-def last_line(text: str) -> str:
-    """The last line a command wrote (scontrol's error follows its warnings), or ""."""
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else ""
-
-
 def requeue_slurm_job(launch: Launch) -> bool:
-    """Ask Slurm to requeue this job, if it may; the job's processes die with this call.
-    Any failure (no scontrol, a timeout, a refusal) means 'not requeued', never a crash."""
-    if not launch.job_id or shutil.which("scontrol") is None:
-        return False
-    try:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", launch.job_id], capture_output=True, text=True,
-                               timeout=SCONTROL_TIMEOUT)
-        if shown.returncode != 0:
-            print(f"could not requeue Slurm job {launch.job_id} (scontrol show job: {last_line(shown.stderr)})", flush=True)
-            return False
-        fields = job_fields(shown.stdout.partition("\n")[0])
-        if fields.get("BatchFlag") == "0":
-            print(f"Slurm job {launch.job_id} is an interactive allocation (salloc), which Slurm does not requeue",
-                  flush=True)
-            return False
-        if not requeue_of(fields):  # (the rule the time limit's estimate follows too)
-            print(f"Slurm job {launch.job_id} may not be requeued (it was submitted without --requeue)", flush=True)
-            return False
-        print(f"requeueing Slurm job {launch.job_id}; it resumes from its last checkpoint", flush=True)
-        result = subprocess.run(["scontrol", "requeue", launch.job_id], capture_output=True, text=True,
-                                timeout=SCONTROL_TIMEOUT)
-    except (OSError, subprocess.SubprocessError) as err:
-        print(f"could not requeue Slurm job {launch.job_id} (scontrol: {err})", flush=True)
-        return False
-    if result.returncode != 0:
-        print(f"could not requeue Slurm job {launch.job_id} (scontrol requeue: {last_line(result.stderr) or f'exit {result.returncode}'})", flush=True)
-    return result.returncode == 0
+    """Ask Slurm to requeue this job, if it may (ddpkit/slurm_job.py's requeue, the supervisor's
+    too); the job's processes die with this call. Any failure means 'not requeued'."""
+    return requeue_job(launch.job_id, timeout=SCONTROL_TIMEOUT)
 
 
 # What a command that continues a run leaves out: where the first one started from, the
@@ -159,6 +128,17 @@ def record_continue_command(launch: Launch, command: str) -> None:
         write_exit_file(launch, "continue-command", command + "\n")
 
 
+def schedule_of(progress: Progress, steps_per_epoch: int, epochs: int, max_steps: int) -> tuple[int, int]:
+    """(schedule offset, total steps): the learning-rate schedule runs in this world size's
+    steps; the step count goes on from the checkpoint's, which another world size may have
+    counted differently. The schedule's step is the step count less the offset."""
+    schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
+    total_steps = epochs * steps_per_epoch
+    if max_steps:
+        total_steps = min(total_steps, max_steps - schedule_offset)
+    return schedule_offset, total_steps
+
+
 @dataclasses.dataclass
 class Job:
     """This process's part of the job: the options, where it stands in the job, the process
@@ -189,16 +169,50 @@ class Job:
         advice after a divergence changes (e.g. {"lr": "0.001"}); `shape` the images' (C, H, W),
         which the checkpoints record and a resume compares. Raises AlreadyComplete
         when the run has nothing left to do."""
-        recipe, options, launch, rt = self.recipe, self.options, self.launch, self.rt
+        rt = self.rt
         self.on_divergence = on_divergence
-        self.run_dir, self.claim = claim_run_dir(options, launch, rt)
-        run_dir = self.run_dir
-        if self.claim:  # holding the directory: no other run's save can be under way in it
-            for path in remove_stale_temporaries(run_dir):
-                print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
+        self.claim_run_dir()
         steps_per_epoch = math.ceil(images_per_rank / batch_size)
+        ckpt_path, changed, loss_sums = self.resume(state, epochs, max_steps, classes, shape)
+        progress = self.progress
+        schedule_offset, total_steps = schedule_of(progress, steps_per_epoch, epochs, max_steps)
+        hosts = self.meet_the_other_ranks()
+        # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
+        # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
+        here = checkpoint_path(self.run_dir, progress.step)
+        save_here = bool(ckpt_path) and Path(ckpt_path).resolve() != here.resolve()
+        saved_options = {**dataclasses.asdict(self.recipe), **dataclasses.asdict(self.options)}
+        if rt.is_main:
+            self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
+        self.describe_run(images_per_rank, batch_size, steps_per_epoch, total_steps + schedule_offset, ckpt_path)
+        time_limit = self.watch_time_limit() if rt.is_main else None
+        self.run = new_run(options=self.options, rt=rt, stop=self.stop, run_dir=self.run_dir, state=state,
+                           saved_options=saved_options, classes=classes, progress=progress, loss_sums=loss_sums,
+                           epochs=epochs, max_steps=max_steps, steps_per_epoch=steps_per_epoch,
+                           schedule_offset=schedule_offset, total_steps=total_steps, logger=self.logger,
+                           startup=self.startup if rt.is_main else None, time_limit=time_limit, shape=shape)
+        if save_here:
+            self.run.checkpoint()
+            if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
+                set_aside_checkpoints(self.run_dir, progress.step + 1)
+        self.stop.training = True  # from now on Ctrl-C saves first
+        return self.run
+
+    def claim_run_dir(self) -> None:
+        """The run's directory, held by this run (see rundir.py), cleared of unfinished saves."""
+        self.run_dir, self.claim = claim_run_dir(self.options, self.launch, self.rt)
+        if self.claim:  # holding the directory: no other run's save can be under way in it
+            for path in remove_stale_temporaries(self.run_dir):
+                print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
+
+    def resume(self, state: Mapping[str, object], epochs: int, max_steps: int, classes: tuple[str, ...],
+               shape: tuple[int, int, int] | None) -> tuple[str, str, torch.Tensor]:
+        """Load the checkpoint every rank agreed on into `state` and self.progress: (its path or
+        "", the options --allow-changes let differ, this rank's loss sums). Raises
+        AlreadyComplete when it finished the run."""
+        recipe, options, rt = self.recipe, self.options, self.rt
         ckpt_path, changed = agree_on_checkpoint(options.resume, options.allow_changes, dataclasses.asdict(recipe),
-                                                 changeable(type(recipe)), rt, run_dir)
+                                                 changeable(type(recipe)), rt, self.run_dir)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
             progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes=classes, shape=shape)
@@ -208,36 +222,40 @@ class Job:
             if max_steps and progress.step >= max_steps:
                 longer["max_steps"] = "0"  # the cap ended it: lift the cap
             raise AlreadyComplete(
-                f"run {run_dir} is already complete (epoch {progress.last_record.get('epoch', progress.epoch - 1)}, "
+                f"run {self.run_dir} is already complete (epoch {progress.last_record.get('epoch', progress.epoch - 1)}, "
                 f"step {progress.step}); to train it longer: {self.continue_command(**longer, allow_changes='')}")
         progress.finished = False
-        # The learning-rate schedule runs in this world size's steps; the step count goes on
-        # from the checkpoint's, which another world size may have counted differently.
-        schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
-        total_steps = epochs * steps_per_epoch
-        if max_steps:
-            total_steps = min(total_steps, max_steps - schedule_offset)
+        return ckpt_path, changed, loss_sums
 
-        starts = gather_to_all((socket.gethostname(), launch.attempt), "sharing the host names")
-        hosts = [host for host, _ in starts]
-        # torchrun's agents count their restarts each on their own: the highest is the job's.
-        self.launch = launch = dataclasses.replace(launch, attempt=max((a for _, a in starts),
-                                                                       key=lambda a: int(a.split("/")[0])))
-        # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
-        # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
-        here = checkpoint_path(run_dir, progress.step)
-        save_here = bool(ckpt_path) and Path(ckpt_path).resolve() != here.resolve()
-        saved_options = {**dataclasses.asdict(recipe), **dataclasses.asdict(options)}
-        if rt.is_main:
-            # Every rank has read its checkpoint by now (the gather above comes after).
-            later = set_aside_checkpoints(run_dir, progress.step, keep=ckpt_path)
-            if later:
-                print(f"warning: set aside {len(later)} checkpoint(s) numbered from step {progress.step} on, which this run "
-                      f"no longer continues, in {run_dir / 'checkpoints' / 'superseded'}", file=sys.stderr, flush=True)
-            note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
-            self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(rt, launch, hosts),
-                                    progress.step, classes, options.log_every, options.progress_every, note=note)
-            record_continue_command(launch, self.continue_command())
+    def meet_the_other_ranks(self) -> list[str]:
+        """Every rank's host name, in rank order; the job's attempt becomes the highest any
+        rank counts (torchrun's agents count their restarts each on their own)."""
+        starts = gather_to_all((socket.gethostname(), self.launch.attempt), "sharing the host names")
+        self.launch = dataclasses.replace(self.launch, attempt=max((a for _, a in starts),
+                                                                   key=lambda a: int(a.split("/")[0])))
+        return [host for host, _ in starts]
+
+    def start_log(self, saved_options: dict, hparams: HParams, hosts: list[str], classes: tuple[str, ...],
+                  ckpt_path: str, changed: str) -> None:
+        """(rank 0) Set aside the checkpoints this run no longer continues, start the run's log
+        and record the command that continues it."""
+        run_dir, step = self.run_dir, self.progress.step
+        # Every rank has read its checkpoint by now: each met the others (a collective) after it.
+        later = set_aside_checkpoints(run_dir, step, keep=ckpt_path)
+        if later:
+            print(f"warning: set aside {len(later)} checkpoint(s) numbered from step {step} on, which this run "
+                  f"no longer continues, in {run_dir / 'checkpoints' / 'superseded'}", file=sys.stderr, flush=True)
+        note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
+        options = self.options
+        self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),
+                                step, classes, options.log_every, options.progress_every, note=note)
+        record_continue_command(self.launch, self.continue_command())
+
+    def describe_run(self, images_per_rank: int, batch_size: int, steps_per_epoch: int, steps_in_all: int,
+                     ckpt_path: str) -> None:
+        """Each rank's line (host, device, its share, threads), and rank 0's: the global batch,
+        the steps, the checkpoint resumed from."""
+        rt, launch, progress = self.rt, self.launch, self.progress
         cpus, threads = usable_cpus(), torch.get_num_threads()
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
               f"{images_per_rank} images, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs", flush=True)
@@ -246,24 +264,19 @@ class Job:
                   "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (run_training.sbatch does), or set OMP_NUM_THREADS", flush=True)
         if rt.is_main:
             print(f"global batch {batch_size * rt.world_size} ({rt.world_size} x {batch_size}), "
-                  f"{total_steps + schedule_offset} steps in all", flush=True)
+                  f"{steps_in_all} steps in all", flush=True)
             if ckpt_path:
                 print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
                       f"requeued {launch.requeues}x)", flush=True)
-        time_limit = None
-        if rt.is_main:  # rank 0 alone watches the clock: the per-step agreement tells the others
-            time_limit = self.stop.time_limit = TimeLimit(read_job_times(os.environ, launch.job_id), options.stop_before)
-            if line := time_limit.start_line():
-                print(line, flush=True)
-        self.run = TrainingRun(options, rt, self.stop, run_dir, state, saved_options, classes, progress, loss_sums, epochs,
-                               max_steps, steps_per_epoch, schedule_offset, total_steps, self.logger,
-                               self.startup if rt.is_main else None, time_limit, shape=shape)
-        if save_here:
-            self.run.checkpoint()
-            if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
-                set_aside_checkpoints(run_dir, progress.step + 1)
-        self.stop.training = True  # from now on Ctrl-C saves first
-        return self.run
+
+    def watch_time_limit(self) -> TimeLimit:
+        """(rank 0) The watch on the job's time limit: rank 0 alone watches the clock, and the
+        per-step agreement tells the others."""
+        time_limit = self.stop.time_limit = TimeLimit(read_job_times(os.environ, self.launch.job_id),
+                                                      self.options.stop_before)
+        if line := time_limit.start_line():
+            print(line, flush=True)
+        return time_limit
 
     def stop_here(self, path: Path) -> int:
         """A stop was agreed on and `path` saved: requeue the Slurm job, or say how to continue."""
@@ -274,19 +287,19 @@ class Job:
             print(f"stopping on {why} at step {self.run.progress.step}: saved {path}", flush=True)
         barrier("the barrier before stopping")  # the checkpoint is complete before anyone can be killed
         # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
-        # ends every process here. Under run_training.sbatch the batch shell requeues the
-        # job once the step has ended, on the host: in a container, scontrol may be missing.
-        batch_file = os.environ.get("MNIST_DDP_REQUEUED_BY")
-        if rt.is_main and batch_file:
+        # ends every process here. Under run_training.sbatch the job's supervisor requeues
+        # the job once the step has ended, on the host: in a container, scontrol may be missing.
+        requeue_signal = os.environ.get("MNIST_DDP_REQUEUE_SIGNAL")  # (the supervisor's SIGNAL)
+        if rt.is_main and requeue_signal:
             # Its SIGNAL (USR1 by default) and the time limit ask for a requeue; another
             # signal (scancel's SIGTERM) only stops.
             why = signal.Signals(stop.received).name if stop.received else "the time limit came near" if stop.time_up else ""
-            if why in ("SIG" + os.environ.get("MNIST_DDP_REQUEUE_SIGNAL", "USR1"), "the time limit came near"):
-                with contextlib.suppress(OSError):  # (then the batch shell prints the continue line)
+            if why in ("SIG" + requeue_signal, "the time limit came near"):
+                with contextlib.suppress(OSError):  # (then the supervisor prints the continue line)
                     write_exit_file(self.launch, "requeue", f"{why}\n")
-                print(f"{batch_file} requeues the job when this step has ended; where it cannot, the line below "
+                print("run_training.sbatch requeues the job when this step has ended; where it cannot, the line below "
                       "continues the run", flush=True)
-        requeued = not batch_file and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)
+        requeued = not requeue_signal and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)
         if rt.is_main and not requeued:
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")
@@ -323,26 +336,14 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             stop.restore()  # nothing to save: a signal ends the check at once
             code = check_job(options, launch)
             return code
-        earlier, rank_file = unfixable_exit(launch)
+        earlier = unfixable_earlier_exit(launch, who)
         if earlier:
-            print(f"{PROG}{who}: not training again: an earlier attempt ended with exit code {earlier} ({rank_file}), "
-                  "which a restart does not fix; see its error above", file=sys.stderr, flush=True)
             code = earlier
             return code
         with startup.phase("process group"):
             rt = init_distributed(options, launch)
         job = Job(recipe, options, launch, rt, stop, who, startup=startup)
-        try:
-            body(job)
-            code = 0
-        except AlreadyComplete as done:
-            if job.rt.is_main:
-                print(done, flush=True)
-            code = 0
-        except Stopped as stopped:  # (inside: a peer lost while stopping is a lost peer)
-            code = job.stop_here(Path(str(stopped)))
-        except Diverged as err:  # (inside: a full disk while recording the advice is a storage problem)
-            raise Diverged(job.divergence_advice(err)) from None
+        code = run_body(body, job)
     except UsageError as err:
         code = fail(err, who=who)
     except Diverged as err:
@@ -350,32 +351,65 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         code = fail("interrupted (Ctrl-C) before training started; nothing was saved", 128 + signal.SIGINT, who)
     except Exception as err:
-        if is_lost_peer(err):
-            code = fail(lost_peer_message(err, job.progress if job else Progress()), EXIT_LOST_PEER, who)
-        elif problem := storage_problem(err, options):
-            code = fail(problem, who=who)
-        elif operation := nondeterministic_operation(err):
-            device = job.rt.device if job else "this device"
-            code = fail(f"--deterministic: {operation} has no deterministic implementation on {device}, so this run "
-                        "cannot be bit-identical; leave out --deterministic, or change the model or step that uses it",
-                        who=who)
-        else:
-            traceback.print_exc()
-            code = fail(f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again",
-                        EXIT_BUG, who)
+        code = fail(*failure(err, job, options), who=who)
     finally:
-        # A rank's 0 says that all it wrote is on disk: run_training.sbatch then counts the
-        # run as done even if a rank dies of a signal in the teardown below. Any other code
-        # first: after a failure, srun may end this process any moment now.
-        if code != 0:
-            record_exit(code, launch)
-        if job:
-            with contextlib.suppress(OSError):  # a full disk: the one line above says so already
-                job.logger.close()
-            if job.claim:
-                job.claim.release(code)
-        if code == 0:
-            record_exit(code, launch)
-        teardown_distributed(together=code in (0, EXIT_STOPPED))
+        end_job(code, launch, job)
         stop.restore()
     return code
+
+
+def unfixable_earlier_exit(launch: Launch, who: str) -> int:
+    """The exit code of an earlier attempt of this job that a restart does not fix (said in
+    one line), or 0."""
+    earlier, rank_file = unfixable_exit(launch)
+    if earlier:
+        print(f"{PROG}{who}: not training again: an earlier attempt ended with exit code {earlier} ({rank_file}), "
+              "which a restart does not fix; see its error above", file=sys.stderr, flush=True)
+    return earlier
+
+
+def run_body(body: Callable[[Job], None], job: Job) -> int:
+    """`body` on `job`: 0 when it is done (or was done already), the stop's exit code when it
+    stopped. A divergence comes back with the advice that resumes it."""
+    try:
+        body(job)
+    except AlreadyComplete as done:
+        if job.rt.is_main:
+            print(done, flush=True)
+    except Stopped as stopped:  # (inside: a peer lost while stopping is a lost peer)
+        return job.stop_here(Path(str(stopped)))
+    except Diverged as err:  # (inside: a full disk while recording the advice is a storage problem)
+        raise Diverged(job.divergence_advice(err)) from None
+    return 0
+
+
+def failure(err: Exception, job: Job | None, options: RunOptions | None) -> tuple[str, int]:
+    """(the line, the exit code) of an exception no one expected by its type: a lost peer, a
+    storage problem, an operation --deterministic refused, or a bug (its traceback printed)."""
+    if is_lost_peer(err):
+        return lost_peer_message(err, job.progress if job else Progress()), EXIT_LOST_PEER
+    if problem := storage_problem(err, options):
+        return problem, EXIT_USAGE
+    if operation := nondeterministic_operation(err):
+        device = job.rt.device if job else "this device"
+        return (f"--deterministic: {operation} has no deterministic implementation on {device}, so this run cannot be "
+                "bit-identical; leave out --deterministic, or change the model or step that uses it"), EXIT_USAGE
+    traceback.print_exc()
+    return f"unexpected {type(err).__name__} (the traceback above): not restarted, as it would happen again", EXIT_BUG
+
+
+def end_job(code: int, launch: Launch | None, job: Job | None) -> None:
+    """Record the exit code, close the log, release the run's directory, tear down the process group."""
+    # A rank's 0 says that all it wrote is on disk: run_training.sbatch then counts the
+    # run as done even if a rank dies of a signal in the teardown below. Any other code
+    # first: after a failure, srun may end this process any moment now.
+    if code != 0:
+        record_exit(code, launch)
+    if job:
+        with contextlib.suppress(OSError):  # a full disk: the one line above says so already
+            job.logger.close()
+        if job.claim:
+            job.claim.release(code)
+    if code == 0:
+        record_exit(code, launch)
+    teardown_distributed(together=code in (0, EXIT_STOPPED))

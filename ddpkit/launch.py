@@ -15,12 +15,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+# The exit codes are written once, in the job's supervisor, which reads them too; the ranks
+# import them from here.
+from ddpkit.slurm_job import (  # noqa: F401
+    EXIT_BUG,
+    EXIT_DIVERGED,
+    EXIT_LOST_PEER,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    port_from_job_id,
+    this_job,
+)
+
 PROG = "mnist_ddp.py"
-EXIT_BUG = 1
-EXIT_USAGE = 2
-EXIT_DIVERGED = 3
-EXIT_LOST_PEER = 4  # another rank died or hung: the one failure that running again fixes
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
 NOT_RETRIED = (EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED)  # a restart repeats them, or they asked to stop
 
 
@@ -160,14 +167,6 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def port_from_job_id(job_id: str) -> int:
-    """A port every task of a job derives alike, different for jobs sharing a node.
-
-    10000-29999 stays below Linux's ephemeral range (32768-60999), so an outgoing
-    connection cannot already hold it. run_training.sbatch applies the same rule."""
-    return 10000 + int(job_id or 0) % 20000
-
-
 def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     """This node's entry of Slurm's compressed task counts: '2(x3),1' is 2, 2, 2, 1."""
     counts: list[int] = []
@@ -209,9 +208,7 @@ def read_launch_env(env: Mapping[str, str], alone_ok: bool = False) -> Launch:
     """The one place that reads the launcher's variables: torchrun, then Slurm, then one
     process. `alone_ok`: one process in an salloc shell of several tasks is not refused (it
     may train nothing: --help, --download-only)."""
-    job_id = env.get("SLURM_JOB_ID", "")
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    job_id = this_job(env)
     # torchrun and srun set OMP_NUM_THREADS as they see fit; torch honours it. Otherwise use
     # the CPUs Slurm gave this task, so that tasks sharing a node do not fight over cores.
     num_threads = 0 if "OMP_NUM_THREADS" in env else int(env.get("SLURM_CPUS_PER_TASK", "0") or 0)

@@ -2,9 +2,11 @@
 checkpoints), and the command line, built from them and from the recipe's own dataclass
 (mnist_ddp.py's Recipe) in argparse groups.
 
-Every field carries its help, and its "group" in --help, in its metadata. A recipe field
-marked "changeable" may differ from a checkpoint's with --allow-changes; every other recipe
-field sets the course of training, so a checkpoint resumes only a run with the same value."""
+Every field carries its help, and its "group" in --help, in its metadata; one marked
+"hidden" is left out of --help. A recipe field marked "changeable" may differ from a
+checkpoint's with --allow-changes; every other recipe field sets the course of training, so
+a checkpoint resumes only a run with the same value. Options are spelt out in full: an
+abbreviation (--ep 3) is an error, as it would read as another option once one is added."""
 
 import argparse
 import dataclasses
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.launch import PROG, UsageError
+from ddpkit.slurm_job import RUN_NAME_RULE, is_run_name
 
 DATA_FEEDS = ("auto", "memory", "stream")
 
@@ -54,9 +57,6 @@ class RunOptions:
     deterministic: bool = option(False, "bit-identical GPU runs and resumes: deterministic cuDNN and cuBLAS kernels, "
                                  "torch.use_deterministic_algorithms (slower on GPUs; CPU runs at the same thread count "
                                  "are bit-identical without it)", "speed")
-    cuda_graphs: bool = option(False, "replay each training step (forward, backward, optimizer) as one CUDA graph "
-                               "instead of launching its kernels one by one (one GPU; not with --compile; this path has not yet run on a GPU: "
-                               "only its refusals are tested)", "speed")
     # output
     log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "
@@ -80,8 +80,9 @@ class RunOptions:
     keep_ckpts: int = option(3, "how many of the newest checkpoints to keep", "checkpoints and preemption")
     allow_changes: bool = option(False, "resume even though {changeable} differ from the checkpoint's (to train longer, "
                                  "or on with a lower --lr); the change is logged", "checkpoints and preemption")
-    interrupt_at: str = option("", "testing aid: rank 0 sends itself a signal after step N, as N:USR1 or N:TERM (the run "
-                               "stops after step N+1, or at N on a checkpoint step)", "checkpoints and preemption")
+    # A testing aid, not in --help: rank 0 sends itself a signal after step N, as N:USR1 or N:TERM
+    # (the run stops after step N+1, or at N on a checkpoint step); training_run.InterruptingRun.
+    interrupt_at: str = option("", "", "checkpoints and preemption", hidden=True)
 
 
 # Every collective waits this long for the other ranks. Below 10 s, ranks that start a few
@@ -107,8 +108,7 @@ def check_run_options(c: RunOptions) -> None:
     need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
     need(math.isfinite(c.progress_every) and c.progress_every >= 0,
          f"--progress-every must be 0 (never) or a number of seconds, got {c.progress_every}")
-    need(not c.run_name or (re.fullmatch(r"[\w.+=,@-]+", c.run_name) is not None and c.run_name not in (".", "..")),
-         f"--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces), got {c.run_name!r}")
+    need(not c.run_name or is_run_name(c.run_name), f"--run-name must be {RUN_NAME_RULE}, got {c.run_name!r}")
     need(not (c.run_name and c.run_dir), "pass --run-name or --run-dir, not both")
     need(c.image_every >= 0, f"--image-every must be 0 (never) or more, got {c.image_every}")
     need(c.ckpt_every >= 0, f"--ckpt-every must be 0 (epoch ends only) or more, got {c.ckpt_every}")
@@ -154,7 +154,7 @@ def changeable(recipe_class: type) -> tuple[str, ...]:
 def build_parser(recipe_class: type, manual: str = "") -> argparse.ArgumentParser:
     """The CLI of the recipe's options and RunOptions: one kebab-case flag per field, in the
     groups their metadata names, the default shown in --help."""
-    parser = OneLineErrorParser(prog=PROG, description=manual, formatter_class=HelpFormatter)
+    parser = OneLineErrorParser(prog=PROG, description=manual, formatter_class=HelpFormatter, allow_abbrev=False)
     groups: dict[str, argparse._ArgumentGroup] = {}
     recipe_fields, run_fields = dataclasses.fields(recipe_class), dataclasses.fields(RunOptions)
     clash = {f.name for f in recipe_fields} & {f.name for f in run_fields}
@@ -164,7 +164,7 @@ def build_parser(recipe_class: type, manual: str = "") -> argparse.ArgumentParse
     for f in (*recipe_fields, *run_fields):
         group_name = f.metadata.get("group", "options")
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
-        help = f.metadata["help"].replace("{changeable}", allowed)
+        help = argparse.SUPPRESS if f.metadata.get("hidden") else f.metadata["help"].replace("{changeable}", allowed)
         if f.type in (bool, "bool"):
             group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=help)
         else:

@@ -15,6 +15,7 @@ from ddpkit.distributed import Runtime, broadcast_from_main
 from ddpkit.launch import Launch, UsageError, write_exit_file
 from ddpkit.options import RunOptions
 from ddpkit.recovery import storage_problem
+from ddpkit.slurm_job import default_run_name
 
 
 def choose_run_dir(config: RunOptions, launch: Launch) -> Path:
@@ -27,7 +28,7 @@ def choose_run_dir(config: RunOptions, launch: Launch) -> Path:
     if config.run_name:
         return Path(config.log_dir, config.run_name)
     if launch.job_id:
-        return Path(config.log_dir, f"job-{launch.job_id}")
+        return Path(config.log_dir, default_run_name(launch.job_id))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):

@@ -56,6 +56,7 @@ def view_command(log_dir: Path) -> str:
     script = Path(__file__).resolve().parents[1] / "tensorboard.sh"
     if not script.exists():
         return f"tensorboard --logdir {shlex.quote(str(log_dir))}"
+    script = script.resolve()  # (the project's, where a job's copy of the code links to it)
     shown = os.path.relpath(script)
     shown = str(script) if shown.startswith("..") else os.path.join(".", shown)
     return f"{shlex.quote(shown)} --logdir {shlex.quote(str(log_dir))}"

@@ -40,10 +40,18 @@ RUN_DIR_OPTIONS = ("--run-name", "--run-dir", "--log-dir")  # the sweep sets the
 
 
 def names_run_dir(word: str) -> bool:
-    """Whether a word of an option line is one of RUN_DIR_OPTIONS, or a prefix that argparse
-    could take for one (it accepts any unique prefix of a long option: --run-n, --log-d=x)."""
-    option = word.partition("=")[0]
-    return len(option) > 2 and any(name.startswith(option) for name in RUN_DIR_OPTIONS)
+    """Whether a word of an option line is one of RUN_DIR_OPTIONS, as --opt or --opt=value
+    (mnist_ddp.py takes no abbreviation of an option)."""
+    return word.partition("=")[0] in RUN_DIR_OPTIONS
+
+
+NAME_CHARS = r"\w.+=,@-"  # what the name of a run's or a sweep's directory is made of (slurm_job.is_run_name)
+
+
+def as_name(text: str) -> str:
+    """Text as a directory name: what is not a letter, digit or ._-+=,@ becomes _ (the result
+    may still be "", . or .., which name no directory)."""
+    return re.sub(f"[^{NAME_CHARS}]", "_", text)
 
 
 def read_lines(path: Path, allow_run_dirs: bool = False) -> List[List[str]]:
@@ -119,7 +127,7 @@ def run_name(args: List[str], varied: List[str], index: int) -> str:
     """A directory name that tells the runs apart: the varied options, as lr=1e-3,batch-size=64."""
     options = as_options(args)
     parts = [f"{name}={options[name]}" if options.get(name) else name for name in varied if name in options]
-    name = re.sub(r"[^\w.+=,@-]", "_", ",".join(parts))[:120]
+    name = as_name(",".join(parts))[:120]
     return name or f"task-{index}"
 
 

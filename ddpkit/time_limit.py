@@ -3,8 +3,8 @@
 fits in the time that is left.
 
 The end time comes from SLURM_JOB_END_TIME where Slurm sets it (23.02 and later); else
-from `scontrol show job`, which run_training.sbatch runs once on the host (a container may
-have no scontrol) and passes on as MNIST_DDP_JOB_INFO, with its times in Unix seconds as
+from `scontrol show job`, which the job's supervisor (ddpkit/slurm_job.py) runs once on the
+host (a container may have no scontrol) and passes on as MNIST_DDP_JOB_INFO, with its times in Unix seconds as
 MNIST_DDP_JOB_TIMES (scontrol prints local time, and a container's time zone may differ
 from the host's). Without that line rank 0 runs scontrol once itself: whether the job may
 be requeued (a batch job with Requeue=1) comes from the line alone, and a run that does not
@@ -14,14 +14,14 @@ Only rank 0 watches the clock: the ranks' per-step agreement carries its stop to
 
 Standard library only, like launch.py."""
 
-import datetime
 import math
 import os
-import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from ddpkit.slurm_job import job_fields, requeue_of, unix_time
 
 # Seconds left for what follows the stop when nothing slower was measured: the step in
 # flight, the save, the ranks' exit and the requeue, with room for a busy file system.
@@ -42,24 +42,10 @@ class JobTimes:
         return self.end - self.start
 
 
-def slurm_time(text: str) -> float | None:
-    """Unix seconds of a time as scontrol prints it (2026-11-24T10:00:00, local time); None
-    for Unknown, None or N/A."""
-    try:
-        return datetime.datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None
-
-
-def job_fields(info: str) -> dict[str, str]:
-    """The KEY=VALUE fields of one `scontrol show job -o` line."""
-    return dict(re.findall(r"(\w+)=(\S*)", info))
-
-
 def times_from_job_info(info: str) -> JobTimes | None:
     """The times in one `scontrol show job -o` line; None for a job without a time limit."""
     fields = job_fields(info)
-    return job_times(fields, slurm_time(fields.get("StartTime", "")), slurm_time(fields.get("EndTime", "")))
+    return job_times(fields, unix_time(fields.get("StartTime", "")), unix_time(fields.get("EndTime", "")))
 
 
 def job_times(fields: Mapping[str, str], start: float | None, end: float | None) -> JobTimes | None:
@@ -69,13 +55,6 @@ def job_times(fields: Mapping[str, str], start: float | None, end: float | None)
     if start is None or end is None or fields.get("TimeLimit") == "UNLIMITED" or not start < end < start + NO_LIMIT:
         return None
     return JobTimes(start, end, requeue_of(fields))
-
-
-def requeue_of(fields: Mapping[str, str]) -> bool | None:
-    """Whether the job's scontrol fields say it may be requeued (None: they do not say)."""
-    if fields.get("BatchFlag") == "0":  # an interactive allocation (salloc) is never requeued
-        return False
-    return {"1": True, "0": False}.get(fields.get("Requeue", ""))
 
 
 def unix_times(text: str) -> tuple[float, float] | None:

@@ -1,12 +1,13 @@
-"""The training run as the loop sees it: one call after each step (step_done), one at each
-epoch's end (epoch_done) and one at the end (finish). TrainingRun owns what happens around
-the steps: the run's Progress and loss sums, the one-step-late agreement between the ranks,
-checkpoints (every N steps, every M minutes, at epoch ends, on a stop), the stop itself (on
-a signal, or ahead of the job's time limit), the testing aid --interrupt-at, the epoch's
-record, the run's log, and after the first epoch whether the run fits in the job's time.
+"""The training run as the loop sees it. mnist_ddp.train shows each event of the loop as a
+line (a step done, a checkpoint when one is due, a stop when every rank agreed to one, an
+evaluation, the epoch's end); TrainingRun holds what each one costs: the run's Progress and
+loss sums, the one-step-late agreement between the ranks, the checkpoint files, the stop's
+reasons (a signal, or the job's time limit near), the epoch's record, the run's log, and
+after the first epoch whether the run fits in the job's time. Every rank makes every call,
+in the same order: the calls that talk to the other ranks are among them.
 
-jobs.Job.start_run makes one; a stop ends it with launch.Stopped, a loss or weights that
-are not finite with launch.Diverged, both raised from these calls."""
+jobs.Job.start_run makes one (new_run); a loss or weights that are not finite end it with
+launch.Diverged, raised from these calls; the loop itself ends a stop with launch.Stopped."""
 
 import os
 import signal
@@ -18,7 +19,7 @@ import torch
 
 from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.distributed import Runtime, all_reduce, set_background
-from ddpkit.launch import Diverged, StartupClock, Stopped, StopSignals
+from ddpkit.launch import Diverged, StartupClock, StopSignals
 from ddpkit.options import RunOptions
 from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.runlog import gpu_figures, peak_rss_mb
@@ -54,10 +55,10 @@ class EpochLoss:
 
 
 class TrainingRun:
-    def __init__(self, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path, state: Mapping[str, object],
-                 saved_options: dict, classes: tuple[str, ...], progress: Progress, loss_sums: torch.Tensor, epochs: int,
-                 max_steps: int, steps_per_epoch: int, schedule_offset: int, total_steps: int, logger,
-                 startup: StartupClock | None = None, time_limit: TimeLimit | None = None,
+    def __init__(self, *, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path,
+                 state: Mapping[str, object], saved_options: dict, classes: tuple[str, ...], progress: Progress,
+                 loss_sums: torch.Tensor, epochs: int, max_steps: int, steps_per_epoch: int, schedule_offset: int,
+                 total_steps: int, logger, startup: StartupClock | None = None, time_limit: TimeLimit | None = None,
                  shape: tuple[int, int, int] | None = None):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
         self.classes, self.shape = classes, shape  # what the data is, for every checkpoint
@@ -67,8 +68,7 @@ class TrainingRun:
         # total_steps); the step count goes on from the checkpoint's.
         self.schedule_offset, self.total_steps, self.logger = schedule_offset, total_steps, logger
         self.clock, self.pending, self.agreement = CheckpointClock(options.ckpt_minutes), None, AgreementBuffers(rt.device)
-        interrupt_step, self.interrupt_signal = (options.interrupt_at.split(":") + [""])[:2]
-        self.interrupt_step = int(interrupt_step or 0)
+        self.earlier, self.stopping = Verdict(), False  # the previous step's agreement; a stop every rank agreed on
         self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
         self.epoch_started, self.trained = time.perf_counter(), 0
         self.startup = startup  # printed as `ready in ...` when the first step is about to run
@@ -97,87 +97,40 @@ class TrainingRun:
         set_background("the gradient all-reduce of a training step")
 
     def step_done(self, loss: torch.Tensor, images: int) -> None:
-        """After each optimiser step: count it, log it, and act on the previous step's
-        agreement (stop, divergence, checkpoint time), while this step's runs behind it."""
+        """After each optimiser step: count it and log it, read the previous step's agreement
+        (a stop, a loss that is not finite, the checkpoint clock) and start this one's."""
         progress = self.progress
         self.loss.add(loss, images)
         self.trained += images
         progress.step, progress.step_in_epoch = progress.step + 1, progress.step_in_epoch + 1
         if self.stop.time_limit:  # (rank 0) the stop before the time limit leaves room for two steps
             self.stop.time_limit.stepped(time.perf_counter())
-        if self.rt.is_main and self.interrupt_step and progress.step == self.interrupt_step:
-            os.kill(os.getpid(), getattr(signal, f"SIG{self.interrupt_signal}"))
         # The ranks agree on the previous step while this one runs: a stop lands one step
         # after its signal, on every rank alike, and no step waits for the host.
-        earlier = read_agreement(self.pending) if self.pending else Verdict()
+        self.earlier = read_agreement(self.pending) if self.pending else Verdict()
         self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement)
-        if earlier.diverged:  # before any checkpoint could take the bad weights
+        self.stopping = self.stopping or self.earlier.stopping
+        if self.earlier.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite", progress.step - 1)
         self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
-        every = self.options.ckpt_every
-        if earlier.stopping or earlier.ckpt_due or (every and progress.step % every == 0):
-            now = self.this_step()  # saving waits for the step anyway
-            path = self.checkpoint()
-            if earlier.stopping or now.stopping:
-                raise Stopped(path)
 
-    def epoch_done(self, evaluate: Callable[[], object]) -> None:
-        """At an epoch's end, or where the --max-steps cap stopped it: evaluate (once per
-        step), move on to the next epoch, save."""
-        progress = self.progress
-        if self.pending and self.this_step().stopping:  # at the epoch's last step
-            raise Stopped(self.checkpoint())
-        # A checkpoint saved at this very step before its evaluation (a stop at the epoch's
-        # last step, a crash during the evaluation) is evaluated now; one saved after it (at
-        # the --max-steps cap) is not evaluated twice.
-        if progress.last_record.get("step") != progress.step:
-            self.evaluate_here(evaluate)
-        if progress.step_in_epoch >= self.steps_per_epoch:  # not when the cap stopped it in mid-epoch
-            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-            self.loss.reset()
-        path = self.checkpoint()
-        # After the first epoch this process trained at least half of (a resumed one's rest
-        # would spread its evaluation over a few steps).
-        trained_here = progress.step - self.epoch_first_step
-        if self.estimate_due and trained_here >= self.steps_per_epoch / 2 and not self.done():
-            seconds_per_step = (time.perf_counter() - self.epoch_started) / trained_here
-            self.logger.note(self.estimate_due.fit_line(seconds_per_step, self.total_steps - self.schedule_step),
-                             progress.step)
-            self.estimate_due = None
-        # A stop asked for during the evaluation; after the last one, finishing is quicker.
-        now = read_agreement(start_agreement(self.stop, torch.zeros(()), self.clock, self.rt, self.agreement))
-        if now.stopping and not self.done():
-            raise Stopped(path)
-
-    def finish(self, evaluate: Callable[[], object], final_model: torch.nn.Module) -> None:
-        """Training is over: the weights evaluated go to model.pt, and then a checkpoint says
-        so, so that running the same command again finds nothing left to do. (A run stopped
-        at its very last step, or at the cap, before the evaluation, evaluates here.)"""
-        progress = self.progress
-        if progress.last_record.get("step") != progress.step:
-            self.startup = None  # (no step follows: no `ready in` line)
-            self.epoch_begins()
-            self.evaluate_here(evaluate)
-            self.checkpoint()
-        record = progress.last_record
-        if self.rt.is_main:
-            save_atomic(final_model.state_dict(), self.run_dir / "model.pt")
-            print(f"saved {self.run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%",
-                  flush=True)
-        progress.finished = True
-        self.checkpoint()
-        self.logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
-
-    # ------------------------------------------------------------------ what they share
-
-    def this_step(self) -> Verdict:
-        """This step's agreement, waited for: before a checkpoint and at an epoch's end."""
-        now, self.pending = read_agreement(self.pending), None
-        if now.diverged:  # before any checkpoint could take the bad weights
-            raise self.diverged("the loss stopped being finite")
-        return now
+    def checkpoint_due(self) -> bool:
+        """Whether the step just done saves a checkpoint: every --ckpt-every steps, once
+        --ckpt-minutes have passed, and before every stop. The previous step's agreement says
+        so; at the epoch's last step (or the --max-steps cap's) this step's is waited for too,
+        so that a stop asked for during it saves before the evaluation."""
+        every, earlier = self.options.ckpt_every, self.earlier
+        if earlier.stopping or earlier.ckpt_due or (every and self.progress.step % every == 0):
+            return True
+        steps_end = self.progress.step_in_epoch >= self.steps_per_epoch or self.done()
+        return bool(steps_end and self.pending and self.this_step().stopping)
 
     def checkpoint(self) -> Path:
+        """Save where the run stands (every rank: each saves its own state). After a step, its
+        agreement is waited for first: a loss that is not finite is never saved, and a stop
+        asked for during the step stops at this checkpoint."""
+        if self.pending:  # saving waits for the step anyway
+            self.this_step()
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
         started = time.perf_counter()
@@ -188,11 +141,17 @@ class TrainingRun:
         self.clock.reset()
         return path
 
-    def diverged(self, what: str, step: int | None = None) -> Diverged:
-        step = self.progress.step if step is None else step
-        return Diverged(f"{what} at step {step} (epoch {self.progress.epoch})")
+    def stop_agreed(self) -> bool:
+        """Whether every rank agreed to stop (a signal, or the job's time limit near, on any
+        rank), as the agreements read so far say."""
+        return self.stopping
 
-    def evaluate_here(self, evaluate: Callable[[], object]) -> None:
+    def evaluation_due(self) -> bool:
+        """At an epoch's end: whether this step is still to be evaluated (once per step: a run
+        resumed from a checkpoint saved after its evaluation, at the --max-steps cap, is not)."""
+        return self.progress.last_record.get("step") != self.progress.step
+
+    def evaluate(self, evaluate: Callable[[], object]) -> None:
         """Evaluate where training stands and log it as the epoch's record. `evaluate` returns
         the recipe's Evaluation: each of its metrics (name -> float; "loss" and "accuracy"
         among them) goes into the record as test_<name>."""
@@ -211,3 +170,78 @@ class TrainingRun:
         every = self.options.image_every
         self.logger.epoch(progress.last_record, evaluation, pictures=every > 0 and progress.epoch % every == 0)
 
+    def epoch_done(self) -> None:
+        """The epoch's steps are over: the next epoch starts at its first step (not when the
+        --max-steps cap stopped this one in mid-epoch)."""
+        progress = self.progress
+        if progress.step_in_epoch >= self.steps_per_epoch:
+            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+            self.loss.reset()
+
+    def estimate_time_left(self) -> None:
+        """Once, on rank 0, after the first epoch this process trained at least half of (a
+        resumed one's rest would spread its evaluation over a few steps): how long the rest
+        takes at this speed, and whether it fits in the job's time."""
+        trained_here = self.progress.step - self.epoch_first_step
+        if self.estimate_due and trained_here >= self.steps_per_epoch / 2 and not self.done():
+            seconds_per_step = (time.perf_counter() - self.epoch_started) / trained_here
+            self.logger.note(self.estimate_due.fit_line(seconds_per_step, self.total_steps - self.schedule_step),
+                             self.progress.step)
+            self.estimate_due = None
+
+    def ranks_agree_to_stop(self) -> bool:
+        """Whether any rank wants to stop now, outside a step (a signal during an evaluation):
+        an agreement of its own, waited for, on every rank."""
+        return read_agreement(start_agreement(self.stop, torch.zeros(()), self.clock, self.rt, self.agreement)).stopping
+
+    def finish(self, evaluate: Callable[[], object], final_model: torch.nn.Module) -> None:
+        """Training is over: the weights evaluated go to model.pt, and then a checkpoint says
+        so, so that running the same command again finds nothing left to do. (A run stopped
+        at its very last step, or at the cap, before the evaluation, evaluates here.)"""
+        progress = self.progress
+        if self.evaluation_due():
+            self.startup = None  # (no step follows: no `ready in` line)
+            self.epoch_begins()
+            self.evaluate(evaluate)
+            self.checkpoint()
+        record = progress.last_record
+        if self.rt.is_main:
+            save_atomic(final_model.state_dict(), self.run_dir / "model.pt")
+            print(f"saved {self.run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%",
+                  flush=True)
+        progress.finished = True
+        self.checkpoint()
+        self.logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
+
+    # ------------------------------------------------------------------ what they share
+
+    def this_step(self) -> Verdict:
+        """This step's agreement, waited for: before a checkpoint and at the epoch's last step."""
+        now, self.pending = read_agreement(self.pending), None
+        if now.diverged:  # before any checkpoint could take the bad weights
+            raise self.diverged("the loss stopped being finite")
+        self.stopping = self.stopping or now.stopping
+        return now
+
+    def diverged(self, what: str, step: int | None = None) -> Diverged:
+        step = self.progress.step if step is None else step
+        return Diverged(f"{what} at step {step} (epoch {self.progress.epoch})")
+
+
+class InterruptingRun(TrainingRun):
+    """A TrainingRun whose process sends itself a signal as step N ends (--interrupt-at
+    N:USR1 or N:TERM, a testing aid), as Slurm or a user would: every rank then stops after
+    step N+1 (or at N, a checkpoint step). new_run makes one on rank 0 alone, and only when
+    the option is given: no other run looks at it."""
+
+    def step_done(self, loss: torch.Tensor, images: int) -> None:
+        step, name = self.options.interrupt_at.split(":")
+        if self.progress.step + 1 == int(step):  # (before this step's agreement starts, which hears it)
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+        super().step_done(loss, images)
+
+
+def new_run(**fields) -> TrainingRun:
+    """TrainingRun(**fields), or on rank 0 with --interrupt-at an InterruptingRun."""
+    interrupting = fields["options"].interrupt_at and fields["rt"].is_main
+    return (InterruptingRun if interrupting else TrainingRun)(**fields)

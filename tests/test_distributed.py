@@ -4,7 +4,7 @@ and, with two real Gloo ranks, a rank that has exited makes rank 0's broadcast_f
 gather_to_all and wrap_ddp fail with an error that names that operation, which is what the
 lost-peer line (exit 4) says; and the device each rank takes (GPU requests, the local
 rank's GPU on a second node, too few GPUs, GPUs torch cannot use, --amp before Ampere),
-from the launcher's facts and torch's count; and where --cuda-graphs cannot work (a CPU, --compile, several ranks), one line says so.
+from the launcher's facts and torch's count.
 
     python -m pytest tests/test_distributed.py
 """
@@ -24,7 +24,6 @@ import torch.nn as nn
 from conftest import run_python
 from ddpkit import recovery
 from ddpkit.checkpoints import Progress
-from ddpkit.cuda_graphs import check_cuda_graphs
 from ddpkit.distributed import (
     Runtime,
     amp_warning,
@@ -431,27 +430,3 @@ def test_deterministic_run_that_meets_such_an_operation_stops_in_one_line(tmp_pa
         "mnist_ddp.py: error: --deterministic: put_ has no deterministic implementation on cpu, so this run cannot be "
         "bit-identical; leave out --deterministic, or change the model or step that uses it")
     assert "Traceback" not in result.stderr
-
-
-@pytest.mark.parametrize("device, world_size, compile, words", [
-    ("cpu", 1, False, "--cuda-graphs replays the training step on a CUDA GPU, and this run is on cpu"),
-    ("cuda", 1, True, "--cuda-graphs and --compile do not go together"),
-    ("cuda", 2, False, "--cuda-graphs captures one GPU's training step, and this run has 2 ranks: it does not capture"),
-])
-def test_cuda_graphs_where_they_cannot_work_is_refused_in_one_line(device, world_size, compile, words):
-    with pytest.raises(UsageError, match=words):
-        check_cuda_graphs(torch.device(device), world_size, compile)
-
-
-def test_cuda_graphs_on_one_gpu_alone_pass_the_check():
-    check_cuda_graphs(torch.device("cuda", 0), 1, False)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_a_cpu_run_with_cuda_graphs_stops_before_training_in_one_line(tmp_path):
-    result = run_python(["--cuda-graphs", "--run-dir", "run"], tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines() == [
-        "mnist_ddp.py: error: --cuda-graphs replays the training step on a CUDA GPU, and this run is on cpu; leave it "
-        "out on CPUs"]
-    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,6 +1,7 @@
 """ddpkit/options.py, at unit level: the command line built from mnist_ddp.py's Recipe and
 RunOptions (its argparse groups, in --help's order, and the flags each holds), parse_options
-and the one-line UsageError each bad value gets, the {changeable} placeholder of
+and the one-line UsageError each bad value gets (an abbreviation among them, in the
+script's own process too), --help without the testing aid, the {changeable} placeholder of
 --allow-changes' help, option_args as the inverse of parse_options, and a recipe whose
 option clashes with one of RunOptions.
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from conftest import run_single
 from ddpkit.launch import UsageError
 from ddpkit.options import RunOptions, build_parser, option, option_args, parse_options
 from mnist_ddp import Recipe
@@ -47,7 +49,7 @@ def test_the_groups_of_the_command_line_in_order():
     assert groups["training"][:2] == ["--model", "--epochs"]
     assert {"--global-batch", "--batch-size", "--lr", "--weight-decay", "--seed", "--max-steps"} <= set(groups["training"])
     assert groups["distributed"] == ["--backend", "--device", "--dist-timeout", "--check"]
-    assert groups["speed"] == ["--amp", "--channels-last", "--compile", "--deterministic", "--cuda-graphs"]
+    assert groups["speed"] == ["--amp", "--channels-last", "--compile", "--deterministic"]
     assert groups["output"] == ["--log-dir", "--run-name", "--run-dir", "--log-every", "--progress-every",
                                 "--image-every"]
     assert groups["checkpoints and preemption"] == ["--resume", "--ckpt-every", "--ckpt-minutes", "--stop-before",
@@ -67,6 +69,22 @@ def test_help_shows_the_groups_and_defaults():
     assert "(default: )" not in words  # an empty default is not shown
 
 
+def test_help_leaves_out_the_testing_aid_which_still_parses():
+    text = build_parser(Recipe).format_help()
+    assert "--interrupt-at" not in text and "--cuda-graphs" not in text
+    assert parse_options(Recipe, ["--interrupt-at", "7:TERM"])[1].interrupt_at == "7:TERM"
+
+
+def test_the_script_s_help_lists_neither_interrupt_at_nor_cuda_graphs_and_an_abbreviation_exits_2(tmp_path):
+    helped = run_single(["--help"], tmp_path)
+    assert helped.returncode == 0 and "--max-steps" in helped.stdout, helped.stderr[-2000:]
+    assert "--interrupt-at" not in helped.stdout and "--cuda-graphs" not in helped.stdout
+    for abbreviation in (["--ep", "3"], ["--run-n", "x"]):
+        refused = run_single(abbreviation, tmp_path)
+        assert (refused.returncode, refused.stdout) == (2, ""), refused.stdout[-2000:]
+        assert refused.stderr == f"mnist_ddp.py: error: unrecognized arguments: {' '.join(abbreviation)} (see --help)\n"
+
+
 def test_parse_options_returns_the_recipe_and_run_options():
     recipe, options = parse_options(Recipe, [])
     assert (recipe, options) == (Recipe(), RunOptions())
@@ -81,9 +99,9 @@ def test_parse_options_returns_the_recipe_and_run_options():
     (["--dist-timeout", "5"], "--dist-timeout must be from 10 to 604800 seconds (a week), got 5"),
     (["--dist-timeout", "nan"], "--dist-timeout must be a positive number of seconds, got nan"),
     (["--data-workers", "-1"], "--data-workers must be 0 (read in the training process) or more, got -1"),
-    (["--run-name", "a/b"], "--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces), "
+    (["--run-name", "a/b"], "--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces, not . or ..), "
                             "got 'a/b'"),
-    (["--run-name", ".."], "--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces), "
+    (["--run-name", ".."], "--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces, not . or ..), "
                            "got '..'"),
     (["--run-name", "a", "--run-dir", "b"], "pass --run-name or --run-dir, not both"),
     (["--keep-ckpts", "0"], "--keep-ckpts must be at least 1, got 0"),
@@ -102,6 +120,10 @@ def test_parse_options_returns_the_recipe_and_run_options():
     # argparse itself
     (["--epochs", "x"], "argument --epochs: invalid int value: 'x' (see --help)"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see --help)"),
+    # an abbreviation is no option: it would read as another one once one is added
+    (["--run-n", "x"], "unrecognized arguments: --run-n x (see --help)"),
+    (["--ep", "3"], "unrecognized arguments: --ep 3 (see --help)"),
+    (["--interrupt=3:USR1"], "unrecognized arguments: --interrupt=3:USR1 (see --help)"),
 ])
 def test_each_bad_value_gets_one_exact_line(argv, message):
     with pytest.raises(UsageError) as refused:

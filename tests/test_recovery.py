@@ -1,9 +1,9 @@
 """Failures that heal by themselves, with real processes, real signals and a real Slurm
 (local-slurm.sh): a rank SIGKILLed twice in one job, a rank frozen with SIGSTOP, a
 crash loop, failures that must not be retried, a torchrun worker killed across two
-nodes, and a whole node lost from a three-node cluster. Also, at unit level: which
-outcomes the batch file retries, what a lost peer says, and --ckpt-minutes with a
-fake clock.
+nodes, and a whole node lost from a three-node cluster. Also, at unit level: what a lost
+peer says, and --ckpt-minutes with a fake clock (which outcomes the job retries:
+tests/test_slurm_job.py).
 
 The times these tests print (kill to resumed, hang detected, node lost to training
 again) are the README's "Failures and recovery" figures; nothing asserts on them.
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import LOCAL_SLURM, SBATCH_FILE, Cluster, clean_env, finish, load_params, read_metrics
+from conftest import LOCAL_SLURM, Cluster, clean_env, finish, load_params, read_metrics
 from ddpkit import checkpoints, distributed, recovery
 from ddpkit.launch import StopSignals, exit_status, read_launch_env, unfixable_exit
 
@@ -104,42 +104,6 @@ def three_nodes(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- unit level
-
-SETTLE = re.search(r"^settle\(\) \{.*?^\}$", SBATCH_FILE.read_text(), re.M | re.S).group(0)
-
-
-@pytest.mark.parametrize("srun_status, codes, status, retry", [
-    (0, {0: 0, 1: 0}, 0, False),
-    (137, {0: 4}, 137, True),             # rank 1 killed (SIGKILL, the OOM killer), rank 0 lost it
-    (143, {0: 4}, 143, True),             # ... and srun ended rank 0 with SIGTERM
-    (4, {0: 4, 1: 4}, 4, True),           # both lost a peer (a hang ended by --dist-timeout)
-    (4, {0: 4, 1: 1}, 1, False),          # rank 1's bug, rank 0 lost it: the bug decides
-    (4, {0: 4, 1: 3}, 3, False),          # rank 1 diverged, rank 0 lost it: never retried
-    (143, {0: 3, 1: 4}, 3, False),        # ... the other way round, srun ending the rest
-    (4, {0: 4, 1: 2}, 2, False),          # rank 1's usage problem, rank 0 lost it
-    (137, {0: 75, 1: 4}, 75, False),      # rank 0 stopped on a signal, rank 1 lost it on the way out
-    (137, {0: 3, 1: 75}, 3, False),       # a divergence beats a stop
-    (2, {0: 2, 1: 2}, 2, False),          # a usage problem
-    (3, {0: 3, 1: 3}, 3, False),          # diverged
-    (75, {0: 75, 1: 75}, 75, False),      # stopped on a signal, not requeued
-    (1, {}, 1, False),                    # died before main() (an import error): no codes, no signal
-    (139, {0: 0, 1: 0}, 0, False),        # every rank finished and saved, then one died at exit: done
-    (134, {0: 0}, 134, True),             # rank 1 died before it recorded anything: killed
-])
-def test_which_outcomes_the_batch_file_retries(tmp_path, srun_status, codes, status, retry):
-    """The batch file's own `settle` function, run by bash over rank files as the ranks write them."""
-    for rank, code in codes.items():
-        (tmp_path / f"rank-{rank}").write_text(f"{code}\n")
-    script = f'{SETTLE}\nsettle {srun_status}\necho "$status/${{retry:-no}}/$why"'
-    out = subprocess.run(["bash", "-c", script], env={"PATH": os.environ["PATH"], "SLURM_NTASKS": "2",
-                                                      "MNIST_DDP_EXIT_DIR": str(tmp_path)},
-                         capture_output=True, text=True, check=True).stdout.strip()
-    got_status, got_retry, why = out.splitlines()[-1].split("/", 2)
-    assert (int(got_status), got_retry == "yes") == (status, retry), out
-    assert not retry or why
-    said_done = out.startswith(f"every rank had finished and saved (each recorded exit 0) before srun's exit {srun_status} ")
-    assert said_done == (srun_status != 0 and status == 0), out
-
 
 @pytest.mark.parametrize("message, lost", [
     ("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:5525", True),   # a peer killed

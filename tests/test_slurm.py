@@ -128,6 +128,40 @@ def test_usr1_saves_requeues_and_resumes(cluster, launcher, request, tmp_path):
     assert metrics[-1]["test_accuracy"] >= 0.95
 
 
+def test_a_requeued_job_runs_the_code_it_was_submitted_with(one_node, tmp_path):
+    """A job copies the code it runs at its first start. Its project's mnist_ddp.py is then
+    edited so that it fails, and USR1 stops the job: the requeued job resumes from its copy
+    and finishes with exit 0. A new job of the run takes a new copy (the edited code, which
+    fails) and says in one line that its code differs from the previous job's."""
+    project, submit = tmp_path / "project", tmp_path / "submit"
+    project.mkdir()
+    shutil.copy(ROOT / "mnist_ddp.py", project)
+    shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(SBATCH_FILE, project)
+    (project / "data").symlink_to(ROOT / "data")  # (the bundled sample)
+    options = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+    client = one_node.sbatch(submit, options, ["--batch-size", "64", "--epochs", "3", "--ckpt-every", "10"],
+                             batch_file=project / "run_training.sbatch", SCRIPT=None, RUN_NAME="pinned")
+    job_id = wait_for_epoch_1(client, submit)
+    (project / "mnist_ddp.py").write_text('raise SystemExit("edited while the job ran")\n')
+    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
+                   env=one_node.env, check=True, timeout=60)
+    _, out = finish(client, submit)
+    copy = submit / "runs" / "pinned" / "code" / f"job-{job_id}"
+    assert len(re.findall(rf"^PREFLIGHT python=.* code={re.escape(str(copy))} container=none$", out, re.M)) == 2, out[:3000]
+    assert re.search(rf"^requeueing Slurm job {job_id} after SIGUSR1; ", out, re.M)
+    assert re.search(r"^START .* restart=1 ", out, re.M)
+    assert re.search(r"^0: resumed from \S+/runs/pinned/checkpoints/ckpt-\d+\.pt: epoch ", out, re.M)
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M) and "edited while the job ran" not in out
+    assert [m["epoch"] for m in read_metrics(submit / "runs" / "pinned")] == [1, 2, 3]
+    assert (copy / "mnist_ddp.py").read_bytes() == (ROOT / "mnist_ddp.py").read_bytes()
+    client = one_node.sbatch(submit, options, ["--batch-size", "64", "--epochs", "4"],
+                             batch_file=project / "run_training.sbatch", SCRIPT=None, RUN_NAME="pinned")
+    again, out = finish(client, submit, code=1)
+    assert f"code: this job runs code that differs from job-{job_id}'s ({copy}): mnist_ddp.py\n" in out
+    assert "edited while the job ran" in out
+
+
 def test_ranks_in_a_container_without_scontrol_are_requeued_from_the_host(one_node, tmp_path):
     """CONTAINER_CMD runs every rank inside a real container runtime (bubblewrap), where
     scontrol is hidden: on USR1 the ranks save and end the step with 75, the batch shell
@@ -319,34 +353,33 @@ def test_run_name_that_leaves_log_dir_is_refused_before_touching_the_disk(one_no
         assert [p.name for p in submit_dir.iterdir()] == [f"mnist-ddp-{job_id}.out"]
 
 
-def test_every_prefix_of_run_name_log_dir_run_dir_is_refused(one_node, tmp_path):
-    """argparse takes any unambiguous prefix of an option (--log-d X, --run-n=x) as the
-    option: every prefix that mnist_ddp.py's own parser reads as --run-name, --run-dir or
-    --log-dir is refused after the file name, before anything runs."""
+def test_run_name_log_dir_run_dir_are_refused_after_the_file_name_and_no_prefix_names_them(one_node, tmp_path):
+    """--run-name, --run-dir and --log-dir after the file name are refused before anything
+    runs, as --name VALUE and --name=VALUE; mnist_ddp.py's parser takes no prefix of an
+    option (allow_abbrev=False), so --run-n=x reaches it as an unknown option and is refused
+    there, in one line, with nothing trained or written."""
     import mnist_ddp
     from ddpkit.launch import UsageError
     from ddpkit.options import build_parser
     parser = build_parser(mnist_ddp.Recipe)
-    prefixes = []
-    for option in ("--run-name", "--run-dir", "--log-dir"):
-        for end in range(3, len(option) + 1):
-            try:
-                parsed = parser.parse_known_args([f"{option[:end]}=x"])[0]
-            except UsageError:  # ambiguous: argparse refuses it itself
-                continue
-            if getattr(parsed, option[2:].replace("-", "_")) == "x":
-                prefixes.append(option[:end])
-    assert {"--run-n", "--run-d", "--log-d", "--run-name"} <= set(prefixes), prefixes
+    for prefix in ("--run-n", "--run-d", "--log-d", "--log-di"):
+        with pytest.raises(UsageError, match=f"unrecognized arguments: {prefix}=x"):
+            parser.parse_args([f"{prefix}=x"])
     clients = []
-    for i, prefix in enumerate(prefixes):
-        words = [f"{prefix}=elsewhere"] if i % 2 else [prefix, "elsewhere"]
+    for i, option in enumerate(("--run-name", "--run-dir", "--log-dir")):
+        words = [f"{option}=elsewhere"] if i % 2 else [option, "elsewhere"]
         submit_dir = tmp_path / f"submit-{i}"
-        clients.append((prefix, submit_dir, one_node.sbatch(submit_dir, ["--ntasks-per-node=1", "--cpus-per-task=1"],
+        clients.append((option, submit_dir, one_node.sbatch(submit_dir, ["--ntasks-per-node=1", "--cpus-per-task=1"],
                                                             ["--epochs", "1", "--max-steps", "1", *words])))
-    for prefix, submit_dir, client in clients:
+    for option, submit_dir, client in clients:
         refused(client, submit_dir, "name the run as RUN_NAME=NAME sbatch ... and its directory as LOG_DIR=DIR, "
-                                    f"not with {prefix}: this file reads them to restart and resume the run")
+                                    f"not with {option}: this file reads them to restart and resume the run")
         assert not (submit_dir / "elsewhere").exists() and not (submit_dir / "runs").exists()
+    submit_dir = tmp_path / "prefix"
+    _, out = finish(one_node.sbatch(submit_dir, ["--ntasks-per-node=1", "--cpus-per-task=1"],
+                                    ["--epochs", "1", "--run-n", "elsewhere"]), submit_dir, code=2)
+    assert "0: mnist_ddp.py: error: unrecognized arguments: --run-n elsewhere" in out, out[-3000:]
+    assert not (submit_dir / "elsewhere").exists() and "epoch   1" not in out
 
 
 def test_max_restarts_and_master_port_are_read_as_decimal(one_node, tmp_path):

@@ -10,7 +10,6 @@ a command that a message prints is run as printed.
 """
 
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -53,11 +52,10 @@ def run_printed(message: str, marker: str, cwd: Path) -> subprocess.CompletedPro
 # ----------------------------------------------------------------------------- what a line may hold
 
 def test_a_line_that_names_its_run_directory_is_refused_before_anything_is_written(tmp_path):
-    """The sweep names each run's directory itself: --run-name, --run-dir, --log-dir, and
-    any prefix argparse would take for one of them, are refused on every command that
-    reads the file, naming the line."""
-    for option in ("--run-name mine", "--run-name=mine", "--run-n mine", "--run-dir d", "--run-d=d", "--log-dir d",
-                   "--log-d d", "--log-di=d"):
+    """The sweep names each run's directory itself: --run-name, --run-dir and --log-dir are
+    refused on every command that reads the file, naming the line; an abbreviation of one
+    is no option of mnist_ddp.py's, and run and submit refuse it as such."""
+    for option in ("--run-name mine", "--run-name=mine", "--run-dir d", "--run-dir=d", "--log-dir d", "--log-dir=d"):
         (tmp_path / "named.txt").write_text(f"--lr 1e-3 --max-steps 1 --epochs 1\n# the second run\n"
                                             f"--lr 3e-3 {option} --max-steps 1 --epochs 1\n")
         flag = option.split()[0].split("=")[0]
@@ -67,6 +65,16 @@ def test_a_line_that_names_its_run_directory_is_refused_before_anything_is_writt
             assert result.returncode == 2, (option, command, result.stdout[-2000:], result.stderr[-2000:])
             assert result.stderr.startswith(f"sweep.py: error: named.txt:3: {flag}: a sweep names each run's directory "
                                             "itself") and result.stderr.count("\n") == 1, result.stderr
+            assert not (tmp_path / "runs").exists(), "something was written before the check"
+
+    helps = shlex.join([sys.executable, str(ROOT / "mnist_ddp.py"), "--help"])
+    for option in ("--run-n mine", "--run-d=d", "--log-d d", "--log-di=d"):
+        (tmp_path / "named.txt").write_text(f"--lr 1e-3 --max-steps 1 --epochs 1\n--lr 3e-3 {option} --max-steps 1\n")
+        for command in (["run", "named.txt"], ["submit", "named.txt"]):
+            result = run_sweep(command, tmp_path, PATH=NO_SLURM)
+            assert result.returncode == 2, (option, command, result.stdout[-2000:], result.stderr[-2000:])
+            assert result.stderr == (f"sweep.py: error: named.txt:2: unrecognized arguments: {option} ({helps} lists the "
+                                     "options)\n"), result.stderr
             assert not (tmp_path / "runs").exists(), "something was written before the check"
 
 
@@ -87,18 +95,6 @@ def test_a_hash_starts_a_comment_anywhere_and_quoted_values_keep_theirs(tmp_path
     for run, data_dir in (("data-dir=data__1", "data #1"), ("data-dir=data_2", "data#2")):
         assert json.loads((sweep_dir / run / "run.json").read_text())["config"]["data_dir"] == data_dir
         assert (tmp_path / data_dir).is_dir()
-
-
-def test_what_the_batch_file_runs_on_the_host_needs_nothing_newer_than_python_3_6():
-    """run_training.sbatch reads a sweep file's line with the host's python3 (the ranks' PYTHON
-    may exist only in a container), which may be 3.6 (RHEL 8): every file it runs with
-    python3 uses nothing newer, as vermin reads them."""
-    batch_file = (ROOT / "run_training.sbatch").read_text()
-    host_files = re.findall(r'\bpython3 "\$PROJECT_DIR/([\w/.-]+\.py)"', batch_file)
-    assert host_files == ["ddpkit/sweeplines.py"], host_files
-    result = subprocess.run([str(BIN / "vermin"), "--target=3.6-", "--no-tips", "--violations", *host_files], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # ----------------------------------------------------------------------------- files that are not sweep files
@@ -164,7 +160,8 @@ def test_every_line_is_checked_with_the_scripts_own_options_before_anything_is_w
                        ("--epochs 0", "--epochs must be at least 1, got 0"),
                        ("--lr -1", "--lr must be a positive number, got -1.0"),
                        ("--model vgg", "argument --model: invalid choice: 'vgg' (choose from "),
-                       ("--he", "--help trains nothing; delete it from the line")):
+                       ("--ep 3", f"unrecognized arguments: --ep 3 ({helps} lists the options)"),
+                       ("--help", "--help trains nothing; delete it from the line")):
         (tmp_path / "typo.txt").write_text(f"--lr 3e-3 --max-steps 2 --epochs 1\n# the second run\n"
                                            f"--max-steps 2 --epochs 1 {bad}\n")
         for command in (["run", "typo.txt"], ["submit", "typo.txt"]):
@@ -436,3 +433,10 @@ def test_the_summary_of_runs_without_a_sweep_file(tmp_path, capsys):
     assert sweep.main(["summary", str(tmp_path / "runs" / "nothing")]) == 2
     assert capsys.readouterr().err == (f"sweep.py: error: {tmp_path / 'runs' / 'nothing'}: no such sweep directory; "
                                        "pass LOG_DIR/NAME, e.g. runs/lr-bs\n")
+
+
+def test_sweep_py_takes_no_abbreviation_of_its_own_options(tmp_path):
+    """--js is not --json: an abbreviation is refused in argparse's line, exit 2, as mnist_ddp.py refuses one."""
+    result = run_sweep(["summary", str(tmp_path), "--js"], tmp_path)
+    assert (result.returncode, result.stdout) == (2, ""), result.stdout[-2000:]
+    assert result.stderr.endswith("sweep.py: error: unrecognized arguments: --js\n"), result.stderr

@@ -35,7 +35,6 @@ from conftest import (
 from ddpkit import imagesets
 from ddpkit.checkpoints import load_optimizer
 from ddpkit.distributed import Runtime
-from ddpkit.optimizer import FusedAdamW
 from ddpkit.options import RunOptions
 
 HPARAMS = list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
@@ -322,8 +321,8 @@ def test_parameter_groups_keep_their_own_lr_and_weight_decay_through_the_schedul
     def build(lr: float):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-        optimizer = FusedAdamW([{"params": model[0].parameters(), "lr": lr / 10, "weight_decay": 0.0},
-                                {"params": model[2].parameters()}], lr=lr, weight_decay=5e-4)
+        optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "lr": lr / 10, "weight_decay": 0.0},
+                                       {"params": model[2].parameters()}], lr=lr, weight_decay=5e-4, fused=True)
         return model, optimizer
 
     def groups(optimizer) -> tuple[list, list]:
@@ -362,6 +361,7 @@ def test_build_training_makes_the_model_its_average_and_adamw_as_the_recipe_says
     assert all(torch.equal(a, b) for a, b in zip(raw_model.state_dict().values(), expected.state_dict().values(), strict=True))
     assert average.decay == 0.9 and average.model is not raw_model
     assert all(torch.equal(a, b) for a, b in zip(average.model.parameters(), raw_model.parameters(), strict=True))
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
     assert [(g["lr"], g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [(2e-3, (0.9, 0.99), 1e-4)]
     assert optimizer.param_groups[0]["params"] == list(raw_model.parameters())
     compiled, raw, _, none = mnist_ddp.build_training(dataclasses.replace(recipe, ema=0.0),

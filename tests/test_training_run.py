@@ -64,9 +64,32 @@ def make_run(tmp_path, stop, *, ckpt_every=2, epochs=2, max_steps=0, steps_per_e
     model = nn.Linear(3, 2)
     state = {"model": model, **({"optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)} if optimizer else {})}
     run_options = RunOptions(ckpt_every=ckpt_every, ckpt_minutes=0, keep_ckpts=10, **options)
-    return TrainingRun(run_options, rt, stop, tmp_path, state, {"lr": 0.01},
-                       ("a", "b"), progress or Progress(), torch.zeros(2, dtype=torch.float64), epochs, max_steps, steps_per_epoch,
-                       schedule_offset, epochs * steps_per_epoch, logger or NullLogger(), startup, time_limit, shape=shape)
+    return training_run.new_run(options=run_options, rt=rt, stop=stop, run_dir=tmp_path, state=state,
+                                saved_options={"lr": 0.01}, classes=("a", "b"), progress=progress or Progress(),
+                                loss_sums=torch.zeros(2, dtype=torch.float64), epochs=epochs, max_steps=max_steps,
+                                steps_per_epoch=steps_per_epoch, schedule_offset=schedule_offset,
+                                total_steps=epochs * steps_per_epoch, logger=logger or NullLogger(), startup=startup,
+                                time_limit=time_limit, shape=shape)
+
+
+# What mnist_ddp.train does around each step and at each epoch's end, line for line.
+
+def after_step(run: TrainingRun, loss: float = 0.7, images: int = 4) -> None:
+    run.step_done(torch.tensor(loss), images)
+    if run.checkpoint_due():
+        saved = run.checkpoint()
+        if run.stop_agreed():
+            raise Stopped(saved)
+
+
+def end_epoch(run: TrainingRun, evaluate) -> None:
+    if run.evaluation_due():
+        run.evaluate(evaluate)
+    run.epoch_done()
+    saved = run.checkpoint()
+    run.estimate_time_left()
+    if run.ranks_agree_to_stop() and not run.done():
+        raise Stopped(saved)
 
 
 def saved(tmp_path) -> list[str]:
@@ -77,7 +100,7 @@ def saved(tmp_path) -> list[str]:
 def test_a_checkpoint_every_2_steps(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=2)
     for _ in range(3):
-        run.step_done(torch.tensor(0.7), 4)
+        after_step(run)
     assert saved(tmp_path) == ["ckpt-00000002.pt"]
     ckpt = read_checkpoint(tmp_path / "checkpoints" / "ckpt-00000002.pt", "cpu")
     assert (ckpt["progress"]["step"], ckpt["progress"]["step_in_epoch"]) == (2, 2)
@@ -87,11 +110,11 @@ def test_a_checkpoint_every_2_steps(tmp_path, stop):
 
 def test_a_stop_signal_ends_the_run_one_step_later_with_a_checkpoint(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=0)  # checkpoints at epoch ends only
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     stop.received = signal.SIGUSR1  # arrives during step 2
-    run.step_done(torch.tensor(0.7), 4)  # step 2: its agreement starts, the run goes on
+    after_step(run)  # step 2: its agreement starts, the run goes on
     with pytest.raises(Stopped) as stopped:
-        run.step_done(torch.tensor(0.7), 4)  # step 3 reads step 2's agreement: save and stop
+        after_step(run)  # step 3 reads step 2's agreement: save and stop
     path = tmp_path / "checkpoints" / "ckpt-00000003.pt"
     assert stopped.value.args == (path,)
     assert saved(tmp_path) == ["ckpt-00000003.pt"]
@@ -100,9 +123,9 @@ def test_a_stop_signal_ends_the_run_one_step_later_with_a_checkpoint(tmp_path, s
 
 def test_a_loss_that_is_not_finite_is_reported_with_its_step_and_not_saved(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=2)
-    run.step_done(torch.tensor(float("nan")), 4)
+    after_step(run, float("nan"))
     with pytest.raises(Diverged) as diverged:
-        run.step_done(torch.tensor(0.7), 4)  # a checkpoint step, but the bad step comes first
+        after_step(run)  # a checkpoint step, but the bad step comes first
     assert str(diverged.value) == "the loss stopped being finite at step 1 (epoch 1)"
     assert saved(tmp_path) == []
 
@@ -110,7 +133,7 @@ def test_a_loss_that_is_not_finite_is_reported_with_its_step_and_not_saved(tmp_p
 def test_a_loss_that_is_not_finite_at_a_checkpoint_step_is_caught_before_saving(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=1)
     with pytest.raises(Diverged) as diverged:
-        run.step_done(torch.tensor(float("inf")), 4)
+        after_step(run, float("inf"))
     assert str(diverged.value) == "the loss stopped being finite at step 1 (epoch 1)"
     assert saved(tmp_path) == []
 
@@ -142,8 +165,8 @@ def test_the_train_loss_of_a_later_epoch_covers_that_epoch_alone(tmp_path, stop)
     records = []
     for losses in ((1.0, 3.0), (0.5, 0.25), (0.1, 0.1)):
         for loss in losses:
-            run.step_done(torch.tensor(loss), 4)
-        run.epoch_done(evaluation)
+            after_step(run, loss)
+        end_epoch(run, evaluation)
         records.append(run.progress.last_record)
     assert [r["epoch"] for r in records] == [1, 2, 3]
     assert [r["train_loss"] for r in records] == pytest.approx([2.0, 0.375, 0.1])
@@ -158,7 +181,7 @@ def test_after_a_checkpoint_on_the_clock_the_next_one_waits_the_interval_again(t
     run.clock = CheckpointClock(1, clock=lambda: now[0])
     for step in range(1, 21):
         now[0] = 15.0 * step  # a step every 15 s
-        run.step_done(torch.tensor(0.7), 4)
+        after_step(run)
     # The minute is up at step 4 (60 s); the next step saves (75 s) and the clock starts
     # again there: up at step 9 (135 s), saved at step 10, and so on.
     assert saved(tmp_path) == [f"ckpt-{s:08d}.pt" for s in (5, 10, 15, 20)]
@@ -238,8 +261,8 @@ def train_epoch(run: TrainingRun, clock: list[float], evaluate, losses=(0.5, 1.5
     run.epoch_begins()
     for loss in losses:
         clock[0] += step_seconds
-        run.step_done(torch.tensor(loss), 4)
-    run.epoch_done(evaluate)
+        after_step(run, loss)
+    end_epoch(run, evaluate)
 
 
 def test_an_epochs_record_reaches_the_epoch_line_metrics_jsonl_and_tensorboard(tmp_path, stop, clock, capsys):
@@ -293,8 +316,8 @@ def test_the_speed_counts_the_images_of_every_rank(tmp_path, stop, clock):
     run.epoch_begins()
     for _ in range(2):
         clock[0] += 0.25
-        run.step_done(torch.tensor(0.7), 4)
-    run.evaluate_here(Evaluate())
+        after_step(run)
+    run.evaluate(Evaluate())
     assert run.progress.last_record["images_per_s"] == 32.0
 
 
@@ -409,12 +432,12 @@ def test_a_resumed_epoch_gives_the_estimate_only_when_it_trained_half_an_epoch(t
 
 def test_a_stop_at_an_epochs_last_step_saves_before_its_evaluation(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=0, steps_per_epoch=2)
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     stop.received = signal.SIGUSR1  # arrives during the epoch's last step
-    run.step_done(torch.tensor(0.7), 4)
     evaluate = Evaluate()
     with pytest.raises(Stopped) as stopped:
-        run.epoch_done(evaluate)
+        after_step(run)
+        end_epoch(run, evaluate)
     path = tmp_path / "checkpoints" / "ckpt-00000002.pt"
     assert stopped.value.args == (path,) and evaluate.calls == 0
     progress = read_checkpoint(path, "cpu")["progress"]
@@ -445,51 +468,54 @@ def test_an_epoch_end_at_a_step_already_evaluated_does_not_evaluate_again(tmp_pa
     run = make_run(tmp_path, stop, ckpt_every=0, steps_per_epoch=4,
                    progress=Progress(step_in_epoch=2, step=2, last_record=record))
     evaluate = Evaluate()
-    run.epoch_done(evaluate)
+    end_epoch(run, evaluate)
     assert evaluate.calls == 0 and run.progress.last_record == record
 
 
 def test_a_signal_during_a_checkpoint_step_stops_at_that_checkpoint(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=2)
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     stop.received = signal.SIGUSR1  # arrives during step 2, which saves anyway
     with pytest.raises(Stopped) as stopped:
-        run.step_done(torch.tensor(0.7), 4)
+        after_step(run)
     assert stopped.value.args == (tmp_path / "checkpoints" / "ckpt-00000002.pt",)
     assert saved(tmp_path) == ["ckpt-00000002.pt"]
 
 
 def test_weights_that_stopped_being_finite_are_reported_and_not_saved(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=2)
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     with torch.no_grad():
         run.state["model"].weight[0, 0] = float("nan")
     with pytest.raises(Diverged) as diverged:
-        run.step_done(torch.tensor(0.7), 4)
+        after_step(run)
     assert str(diverged.value) == "the weights stopped being finite at step 2 (epoch 1)"
     assert saved(tmp_path) == []
 
 
 def test_every_checkpoint_records_the_images_shape(tmp_path, stop):
     run = make_run(tmp_path, stop, ckpt_every=1, shape=(1, 8, 8))
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     assert read_checkpoint(tmp_path / "checkpoints" / "ckpt-00000001.pt", "cpu")["shape"] == [1, 8, 8]
 
 
 def test_interrupt_at_makes_rank_0_signal_itself_after_that_step_and_the_run_stops_a_step_later(tmp_path, live_stop):
     run = make_run(tmp_path, live_stop, ckpt_every=0, interrupt_at="3:USR1")
     for _ in range(2):
-        run.step_done(torch.tensor(0.7), 4)
+        after_step(run)
     assert live_stop.received == 0
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     assert live_stop.received == signal.SIGUSR1
     with pytest.raises(Stopped) as stopped:
-        run.step_done(torch.tensor(0.7), 4)
+        after_step(run)
     assert stopped.value.args == (tmp_path / "checkpoints" / "ckpt-00000004.pt",)
 
 
 def test_interrupt_at_is_for_rank_0_alone(tmp_path, live_stop):
     rank_1 = Runtime(1, 1, 2, torch.device("cpu"), "gloo", False)  # (no process group: nothing to reduce)
     run = make_run(tmp_path, live_stop, ckpt_every=0, interrupt_at="1:USR1", rt=rank_1)
-    run.step_done(torch.tensor(0.7), 4)
+    after_step(run)
     assert live_stop.received == 0
+    # Only a run given the option has it on its path at all.
+    assert type(run) is TrainingRun and type(make_run(tmp_path, live_stop)) is TrainingRun
+    assert type(make_run(tmp_path, live_stop, interrupt_at="1:USR1")) is training_run.InterruptingRun

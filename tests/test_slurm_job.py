@@ -1,0 +1,333 @@
+"""The job's supervisor (ddpkit/slurm_job.py) as Python, without Slurm: the settings and their
+one-line errors, what the ranks' exit codes mean (settle), the srun and torchrun step
+commands, the resubmit request, containers, the copy of the code a job runs; that it and
+what it imports need nothing newer than Python 3.6 (vermin); and run_training.sbatch's own
+one-line refusals (outside Slurm, no python3 on the node). tests/test_slurm.py runs it all
+on a real Slurm.
+
+    python -m pytest tests/test_slurm_job.py
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SBATCH_FILE, clean_env
+from ddpkit import slurm_job
+from ddpkit.slurm_job import JobError, Outcome, read_settings, resubmit_line, settle, step_command
+
+BIN = Path(sys.executable).parent
+JOB = {"SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": "/home/ann/sub", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+       "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "3", "SLURM_JOB_PARTITION": "gpu"}
+LINE = ("JobId=77 JobName=mnist-ddp UserId=ann(1000) Requeue=1 Restarts=0 BatchFlag=1 TimeLimit=00:30:00 "
+        "StartTime=2026-11-24T10:00:00 EndTime=2026-11-24T10:30:00 Partition=gpu Command=/home/ann/p/run_training.sbatch")
+
+
+def settings(tmp_path: Path, args: tuple = (), line: str = LINE, **env: str) -> slurm_job.Settings:
+    """The settings of a job whose project is a copy with a training script in tmp_path."""
+    project = tmp_path / "project"
+    (project / "ddpkit").mkdir(parents=True, exist_ok=True)
+    if not (project / "mnist_ddp.py").exists():
+        (project / "mnist_ddp.py").write_text("print('trained')\n")
+    environment = {**JOB, "SHARED_DIR": str(tmp_path), **env}
+    return read_settings(environment, str(project), str(project / "run_training.sbatch"), "VENV=/v", list(args),
+                         slurm_job.job_fields(line))
+
+
+# ----------------------------------------------------------------------------- settings
+
+def test_defaults_follow_the_shared_directory_and_the_job(tmp_path):
+    s = settings(tmp_path)
+    assert (s.data_dir, s.log_dir, s.run_name, s.launcher, s.signal, s.max_restarts, s.master_port) == \
+        (f"{tmp_path}/data", f"{tmp_path}/runs", "job-77", "srun", "USR1", 3, 10077)
+    assert s.job_dir == f"{tmp_path}/runs/job-77/exit-codes/job-77"
+    array = settings(tmp_path, SLURM_ARRAY_JOB_ID="70", SLURM_ARRAY_TASK_ID="7")
+    assert (array.job, array.run_name, array.master_port) == ("70_7", "job-70_7", 10077)  # (the port: its own job id)
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"LAUNCHER": "mpirun"}, "LAUNCHER must be srun or torchrun, got 'mpirun'"),
+    ({"SIGNAL": "SIGUSR1"}, "SIGNAL must be USR1, TERM, HUP or INT (without SIG), got 'SIGUSR1'"),
+    ({"CHECK": "yes"}, "CHECK must be 1 (check the job's ranks instead of training) or 0, got 'yes'"),
+    ({"MAX_RESTARTS": "101"}, "MAX_RESTARTS must be a number from 0 to 100, got '101'"),
+    ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number from 0 to 100, got '-1'"),
+    ({"MAX_RESTARTS": "1e3"}, "MAX_RESTARTS must be a number from 0 to 100, got '1e3'"),
+    ({"MASTER_PORT": "80"}, "MASTER_PORT must be a number from 1024 to 65535, got '80'"),
+    ({"RUN_NAME": ".."}, "RUN_NAME must be one directory name of letters, digits and ._-+=,@ (no / or spaces, "
+                         "not . or ..), got '..'"),
+    ({"RUN_NAME": "a/b"}, "got 'a/b'"),
+    ({"SCRIPT": "/nonexistent/train.py"}, "/nonexistent/train.py not found; submit from the project directory or set SCRIPT"),
+    ({"CONTAINER": "x.sif", "CONTAINER_CMD": "podman run"}, "set CONTAINER (with CONTAINER_RUNTIME) or CONTAINER_CMD, not both"),
+    ({"CONTAINER": "x.sif", "CONTAINER_RUNTIME": "docker"}, "CONTAINER_RUNTIME must be apptainer, singularity or pyxis"),
+    ({"SWEEP_FILE": "lr.txt"}, "SWEEP_FILE is set but this is not an array job; submit it with: "),
+])
+def test_a_wrong_setting_is_one_line_naming_it(tmp_path, env, error):
+    with pytest.raises(JobError) as raised:
+        settings(tmp_path, **env)
+    assert error in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_numbers_with_leading_zeros_are_decimal(tmp_path):
+    """Bash read 08 as octal once; here 08 is 8 and 01080 is 1080."""
+    s = settings(tmp_path, MAX_RESTARTS="08", MASTER_PORT="01080")
+    assert (s.max_restarts, s.master_port) == (8, 1080)
+
+
+@pytest.mark.parametrize("arg", ["--run-name", "--run-name=x", "--log-dir", "--run-dir=/tmp/r"])
+def test_the_run_directory_is_named_by_the_settings_not_by_options(tmp_path, arg):
+    with pytest.raises(JobError, match=r"name the run as RUN_NAME=NAME sbatch \.\.\. and its directory as LOG_DIR=DIR"):
+        settings(tmp_path, ("--epochs", "2", arg))
+    settings(tmp_path, ("--epochs", "2", "--run-names-are-not-this"))  # (the training script refuses that one)
+
+
+def test_a_sweep_task_trains_its_line_in_a_run_named_by_its_options(tmp_path):
+    (tmp_path / "lr sweep.txt").write_text("--lr 1e-3\n--lr 3e-3 --epochs 2\n")
+    s = settings(tmp_path, ("--seed", "1"), SWEEP_FILE=str(tmp_path / "lr sweep.txt"), SLURM_ARRAY_JOB_ID="70",
+                 SLURM_ARRAY_TASK_ID="1")
+    assert (s.log_dir, s.run_name, s.sweep_args) == (f"{tmp_path}/runs/lr_sweep", "lr=3e-3,epochs=2",
+                                                     ["--lr", "3e-3", "--epochs", "2"])
+    assert slurm_job.training_args(s, "t.py")[-6:] == ["--lr", "3e-3", "--epochs", "2", "--seed", "1"]  # (given ones last)
+    with pytest.raises(JobError, match="lr sweep.txt:2: --run-name: a sweep names"):
+        (tmp_path / "lr sweep.txt").write_text("--lr 1e-3\n--epochs 2 --run-name x\n")
+        settings(tmp_path, SWEEP_FILE=str(tmp_path / "lr sweep.txt"), SLURM_ARRAY_JOB_ID="70", SLURM_ARRAY_TASK_ID="0")
+
+
+# ----------------------------------------------------------------------------- the outcome
+
+@pytest.mark.parametrize("srun_status, codes, status, retry", [
+    (0, {0: 0, 1: 0}, 0, False),
+    (137, {0: 4}, 137, True),             # rank 1 killed (SIGKILL, the OOM killer), rank 0 lost it
+    (143, {0: 4}, 143, True),             # ... and srun ended rank 0 with SIGTERM
+    (4, {0: 4, 1: 4}, 4, True),           # both lost a peer (a hang ended by --dist-timeout)
+    (4, {0: 4, 1: 1}, 1, False),          # rank 1's bug, rank 0 lost it: the bug decides
+    (4, {0: 4, 1: 3}, 3, False),          # rank 1 diverged, rank 0 lost it: never retried
+    (143, {0: 3, 1: 4}, 3, False),        # ... the other way round, srun ending the rest
+    (4, {0: 4, 1: 2}, 2, False),          # rank 1's usage problem, rank 0 lost it
+    (137, {0: 75, 1: 4}, 75, False),      # rank 0 stopped on a signal, rank 1 lost it on the way out
+    (137, {0: 3, 1: 75}, 3, False),       # a divergence beats a stop
+    (2, {0: 2, 1: 2}, 2, False),          # a usage problem
+    (3, {0: 3, 1: 3}, 3, False),          # diverged
+    (75, {0: 75, 1: 75}, 75, False),      # stopped on a signal, not requeued
+    (1, {}, 1, False),                    # died before main() (an import error): no codes, no signal
+    (139, {0: 0, 1: 0}, 0, False),        # every rank finished and saved, then one died at exit: done
+    (134, {0: 0}, 134, True),             # rank 1 died before it recorded anything: killed
+])
+def test_which_outcomes_the_supervisor_retries(tmp_path, srun_status, codes, status, retry):
+    """settle over the files the ranks write (rank-<r>, the code and a newline)."""
+    for rank, code in codes.items():
+        (tmp_path / f"rank-{rank}").write_text(f"{code}\n")
+    outcome = settle(srun_status, slurm_job.read_codes(str(tmp_path)), 2)
+    assert (outcome.status, outcome.retry) == (status, retry), outcome
+    assert not retry or outcome.why
+    assert outcome.note.startswith(f"every rank had finished and saved (each recorded exit 0) before srun's exit "
+                                   f"{srun_status} ") == (srun_status != 0 and status == 0)
+
+
+def test_settle_names_the_first_rank_that_decided_and_every_killed_one():
+    assert settle(4, {0: "4", 1: "2", 2: "1"}, 3) == Outcome(2, why="rank 1 exited with 2")
+    assert settle(137, {1: "4\n"}, 4).why.startswith("rank 0 2 3 ended without an exit code: killed by a signal")
+    assert settle(4, {0: "4", 1: "4"}, 2) == Outcome(4, True, "rank 0 1 lost contact with a peer that died or hung")
+
+
+# ----------------------------------------------------------------------------- commands
+
+def test_the_srun_step_starts_every_rank_through_the_task_entry(tmp_path):
+    s = settings(tmp_path, ("--epochs", "2"), NODE_DATA_DIR="$TMPDIR/data")
+    s.python = "/v/bin/python"
+    train = slurm_job.training_args(s, "/code/mnist_ddp.py")
+    assert step_command(s, "/code/ddpkit/slurm_job.py", train) == [
+        "srun", "--label", "--kill-on-bad-exit=1", "/v/bin/python", "/code/ddpkit/slurm_job.py", "task", "train",
+        "/code/mnist_ddp.py", "--data-dir", f"{tmp_path}/data", "--log-dir", f"{tmp_path}/runs", "--run-name", "job-77",
+        "--node-data-dir", "$TMPDIR/data", "--epochs", "2"]
+
+
+def test_the_torchrun_step_starts_one_agent_per_node_with_every_cpu_of_its_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    s = settings(tmp_path, LAUNCHER="torchrun", MAX_RESTARTS="2")
+    s.python = "python3"
+    assert step_command(s, "t.py", ["m.py"]) == [
+        "srun", "--label", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=6",
+        "python3", "t.py", "task", "torchrun", "--nnodes=2", "--nproc-per-node=2", "--max-restarts=2",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:10077", "--rdzv-id=77", "m.py"]
+    # CHECK=1 always starts srun tasks
+    assert step_command(s, "t.py", ["m.py", "--check"], "srun")[3:] == ["python3", "t.py", "task", "train", "m.py", "--check"]
+
+
+def test_containers_wrap_each_rank_and_bind_every_directory_once(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "apptainer").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "apptainer").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    (tmp_path / "img.sif").write_text("")
+    (tmp_path / "shared").symlink_to(tmp_path)
+    s = settings(tmp_path, CONTAINER=str(tmp_path / "img.sif"), SHARED_DIR=str(tmp_path / "shared"),
+                 DATA_DIR=str(tmp_path / "data"), LOG_DIR=str(tmp_path / "runs"))
+    project = f"{tmp_path}/project"
+    binds = f"{project}:{project},{tmp_path}:{tmp_path}/shared,{tmp_path}/data:{tmp_path}/data,{tmp_path}/runs:{tmp_path}/runs"
+    assert s.container == ["apptainer", "exec", "--nv", "--bind", binds, str(tmp_path / "img.sif")]
+    assert s.container_desc == f"apptainer:{tmp_path}/img.sif" and (tmp_path / "data").is_dir()
+    s.python = slurm_job.ranks_python(s, {"PYTHON": ""})
+    assert s.python == "python3"  # (the container's, found on its own PATH)
+    assert step_command(s, "t.py", ["m.py"])[3:6] == ["apptainer", "exec", "--nv"]
+    assert slurm_job.where_ranks_run(s, ["python3", "-c", "0"])[:2] == ["apptainer", "exec"]
+    pyxis = settings(tmp_path, CONTAINER="nvcr.io#pytorch", CONTAINER_RUNTIME="pyxis")
+    assert pyxis.container == [] and pyxis.container_srun[0] == "--container-image=nvcr.io#pytorch"
+    assert slurm_job.where_ranks_run(pyxis, ["python3"])[:4] == ["srun", "--nodes=1", "--ntasks=1",
+                                                                 "--container-image=nvcr.io#pytorch"]
+    words = settings(tmp_path, CONTAINER_CMD="podman run --rm -v '/a b:/a b' img")
+    assert words.container == ["podman", "run", "--rm", "-v", "/a b:/a b", "img"]
+    with pytest.raises(JobError, match="CONTAINER_CMD=podman run 'img: No closing quotation; quote it as a shell would"):
+        settings(tmp_path, CONTAINER_CMD="podman run 'img")
+    with pytest.raises(JobError, match="CONTAINER=.*needs singularity, which is not on the PATH"):
+        settings(tmp_path, CONTAINER=str(tmp_path / "img.sif"), CONTAINER_RUNTIME="singularity")
+
+
+def test_a_step_killed_by_a_signal_is_128_plus_its_number_as_a_shell_says(tmp_path):
+    """What settle reads as killed (and restarts): Popen's -9 is the shell's 137."""
+    supervisor = slurm_job.Supervisor(settings(tmp_path), "", "t.py")
+    assert supervisor.run_step(["sh", "-c", "kill -KILL $$"]) == 137
+    assert supervisor.run_step(["sh", "-c", "exit 4"]) == 4
+
+
+def test_the_ranks_python_must_exist_and_run(tmp_path):
+    s = settings(tmp_path)
+    with pytest.raises(JobError, match="PYTHON=/nonexistent/python does not exist"):
+        slurm_job.ranks_python(s, {"PYTHON": "/nonexistent/python"})
+    with pytest.raises(JobError, match=f"PYTHON={tmp_path} is not an executable file"):
+        slurm_job.ranks_python(s, {"PYTHON": str(tmp_path)})
+    assert slurm_job.ranks_python(s, {"PYTHON": sys.executable}) == sys.executable
+
+
+# ----------------------------------------------------------------------------- the resubmit request
+
+@pytest.mark.parametrize("env, line, asked", [
+    ({}, LINE, "--nodes=2 --ntasks-per-node=2 --cpus-per-task=3 --time=00:30:00 --partition=gpu"),
+    ({"SLURM_NTASKS": "3"}, LINE, "--nodes=2 --ntasks=3 --cpus-per-task=3"),  # uneven: 2 and 1
+    ({"SLURM_NTASKS": "3", "LAUNCHER": "torchrun"}, LINE, "--nodes=2 --ntasks-per-node=2"),
+    ({"SLURM_MEM_PER_NODE": "8192"}, LINE, "--mem=8192M"),
+    ({"SLURM_MEM_PER_CPU": "1000"}, LINE, "--mem-per-cpu=1000M"),
+    ({}, LINE.replace("TimeLimit=00:30:00", "TimeLimit=UNLIMITED"), "--cpus-per-task=3 --partition=gpu"),
+    ({}, LINE.replace("TimeLimit=00:30:00", "TimeLimit=Partition_Limit"), "--cpus-per-task=3 --partition=gpu"),
+    ({}, LINE + " TresPerNode=gres:gpu:2", "--gpus-per-node=2"),
+    ({}, LINE + " TresPerNode=gres/gpu:a100:4,gres/shard:1", "--gpus-per-node=a100:4"),
+    ({}, LINE + " TresPerNode=gpu:2", "--gpus-per-node=2"),                       # older Slurm
+    ({}, LINE + " TresPerJob=gres:gpu:3", "--gpus=3"),
+    ({}, LINE + " TresPerTask=gres:gpu:1", "--gpus-per-task=1"),
+    ({"SLURM_GPUS_PER_NODE": "2"}, LINE, "--gpus-per-node=2"),                  # no TRES in the line
+    ({"SLURM_JOB_NAME": "lr-sweep", "SLURM_JOB_ACCOUNT": "ml"}, LINE, "--account=ml --job-name=lr-sweep"),
+])
+def test_the_resubmit_line_asks_for_what_this_job_got(tmp_path, env, line, asked):
+    s = settings(tmp_path, line=line, **env)
+    resubmit = resubmit_line(s, {**JOB, **env}, slurm_job.job_fields(line))
+    assert f" {asked} " in f" {resubmit} ", resubmit
+    assert resubmit.endswith(f" {tmp_path}/project/run_training.sbatch")
+
+
+def test_the_resubmit_line_carries_the_settings_as_given_and_is_quoted(tmp_path):
+    env = {"RUN_NAME": "lr=1e-3,a", "LAUNCHER": "torchrun", "CONTAINER_CMD": "podman run img", "SETUP": "/s/env.sh"}
+    s = settings(tmp_path, **env)
+    resubmit = resubmit_line(s, {**JOB, **env}, {})
+    assert resubmit.startswith(f"SHARED_DIR={tmp_path} DATA_DIR={tmp_path}/data LOG_DIR={tmp_path}/runs "
+                               "RUN_NAME=lr=1e-3,a SETUP=/s/env.sh LAUNCHER=torchrun 'CONTAINER_CMD=podman run img' sbatch "
+                               "--nodes=2 --ntasks-per-node=2 "), resubmit
+
+
+# ----------------------------------------------------------------------------- the code a job runs
+
+def test_a_job_runs_a_copy_of_its_code_taken_at_its_first_start(tmp_path, capsys):
+    """What the copy holds; a new job of the run, or the same job run again inside salloc,
+    takes a new one and says in one line when the code differs. (That a requeue runs the
+    copy it has: tests/test_slurm.py, on a real Slurm.)"""
+    s = settings(tmp_path)
+    project = Path(s.project)
+    (project / "ddpkit" / "jobs.py").write_text("A = 1\n")
+    (project / "sweep.py").write_text("")
+    (project / "models").mkdir()
+    (project / "models" / "resnet.py").write_text("")  # a package of the user's, beside the script
+    (project / "data").mkdir()
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    subprocess.run(["git", "-C", str(project), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(project), "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-qm", "x"], check=True)
+    (project / "mnist_ddp.py").write_text("print('edited before the job started: é')\n")
+    for name in (".git/hooks/x.py", ".venv/lib/site.py", "__pycache__/m.py", "runs/job-1/code/job-1/m.py"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text("")
+    (project / ".venv" / "pyvenv.cfg").write_text("")
+    (project / "env" / "conda-meta").mkdir(parents=True)
+    (project / "env" / "lib.py").write_text("")
+    copy = Path(slurm_job.take_snapshot(settings(tmp_path, LOG_DIR=str(project / "runs"))))
+    assert copy == project / "runs" / "job-77" / "code" / "job-77"
+    assert slurm_job.code_files(str(copy)) == ["mnist_ddp.py", "sweep.py", "ddpkit/jobs.py", "models/resnet.py"]
+    assert (copy / "data").resolve() == project / "data"
+    assert len((copy / "git-commit.txt").read_text().strip()) == 40
+    assert "+print('edited before the job started: é')" in (copy / "git.diff").read_text()
+    assert capsys.readouterr().out == ""
+    # The same job started again (inside salloc) takes the code as it is now.
+    (project / "mnist_ddp.py").write_text("raise SystemExit(1)\n")
+    again = settings(tmp_path, LOG_DIR=str(project / "runs"))
+    assert slurm_job.take_snapshot(again) == str(copy)
+    assert (copy / "mnist_ddp.py").read_text() == "raise SystemExit(1)\n"
+    assert capsys.readouterr().out == f"code: this job runs code that differs from job-77's ({copy}): mnist_ddp.py\n"
+    # A new job of the same run takes a new copy, and says so when the code differs.
+    (project / "ddpkit" / "jobs.py").unlink()
+    slurm_job.take_snapshot(settings(tmp_path, LOG_DIR=str(project / "runs"), SLURM_JOB_ID="78", RUN_NAME="job-77"))
+    assert capsys.readouterr().out == f"code: this job runs code that differs from job-77's ({copy}): ddpkit/jobs.py\n"
+    slurm_job.take_snapshot(settings(tmp_path, LOG_DIR=str(project / "runs"), SLURM_JOB_ID="79", RUN_NAME="job-77"))
+    assert capsys.readouterr().out == ""  # (the same as job 78's)
+
+
+def test_a_copy_that_cannot_be_written_is_one_line(tmp_path):
+    s = settings(tmp_path, LOG_DIR="/proc/version/runs")
+    with pytest.raises(JobError, match="cannot copy the code this job runs into /proc/version/runs/job-77/code/job-77"):
+        slurm_job.take_snapshot(s)
+
+
+# ----------------------------------------------------------------------------- what runs on the host
+
+def test_what_the_host_runs_needs_nothing_newer_than_python_3_6():
+    """run_training.sbatch hands over to ddpkit/slurm_job.py with the host's python3 (the
+    ranks' PYTHON may exist only in a container), which may be 3.6 (RHEL 8): it and what it
+    imports use nothing newer, as vermin reads them."""
+    assert 'exec python3 "$project/ddpkit/slurm_job.py" supervise' in SBATCH_FILE.read_text()
+    result = subprocess.run([str(BIN / "vermin"), "--target=3.6-", "--no-tips", "--violations", "ddpkit/slurm_job.py",
+                             "ddpkit/sweeplines.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    imports = subprocess.run(["python3", "-c", "import sys; import ddpkit.slurm_job; "
+                              "print(sorted(m for m in sys.modules if m.startswith('ddpkit')))"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert imports.stdout.strip() == "['ddpkit', 'ddpkit.slurm_job', 'ddpkit.sweeplines']", imports.stderr
+
+
+def test_the_supervisor_outside_slurm_is_one_line():
+    result = subprocess.run(["python3", str(ROOT / "ddpkit" / "slurm_job.py"), "supervise", "--", "--epochs", "1"],
+                            env=clean_env(PATH="/usr/bin:/bin"), capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, "run_training.sbatch: error: not inside a Slurm job. Submit it: "
+                                                     "sbatch run_training.sbatch [options]\n")
+
+
+@pytest.mark.parametrize("env, error", [
+    ({}, "not inside a Slurm job. Submit it: sbatch run_training.sbatch [options]; without Slurm use: torchrun "
+         "--standalone --nproc-per-node N mnist_ddp.py [options]"),
+    ({"SLURM_JOB_ID": "5"}, "this node has no python3 on the PATH, which runs the job's supervisor "
+                            "(ddpkit/slurm_job.py, Python 3.6 or newer); load a python module in cluster-env.sh or SETUP"),
+])
+def test_the_batch_file_without_slurm_or_without_python3_is_one_line(tmp_path, env, error):
+    """Run as bash would run it (a copy, in a project without a .venv) on a node whose PATH has
+    the shell's tools and no python3."""
+    tools, project = tmp_path / "bin", tmp_path / "project"
+    tools.mkdir()
+    for name in ("dirname", "realpath", "basename"):
+        (tools / name).symlink_to(f"/usr/bin/{name}")
+    (project / "ddpkit").mkdir(parents=True)
+    shutil.copy(ROOT / "ddpkit" / "slurm_job.py", project / "ddpkit")
+    shutil.copy(SBATCH_FILE, project)
+    result = subprocess.run(["/bin/bash", str(project / "run_training.sbatch"), "--epochs", "1"], cwd=tmp_path,
+                            env={"PATH": str(tools), "SLURM_SUBMIT_DIR": str(tmp_path), **env},
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, f"run_training.sbatch: error: {error}\n")
+    assert sorted(os.listdir(tmp_path)) == ["bin", "project"]  # nothing written
