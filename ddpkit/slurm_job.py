@@ -6,12 +6,13 @@ decides from their exit codes what happened (settle), starts the step again afte
 rank or a lost peer, requeues the job after a stop that asks for it, and prints the line
 that continues the run.
 
-It runs on the host, with the host's python3, also when the ranks run in a container
-(srun, scontrol and scancel are on the host). That python3 may be as old as 3.6 (RHEL 8): so
-the standard library only, and nothing newer than Python 3.6 (tests/test_slurm_job.py
-checks it with vermin). The rules the ranks share with it are written here once, and
-ddpkit/launch.py, time_limit.py, rundir.py, options.py and jobs.py import them: the run's
-name, the rendezvous port, the job's name in scontrol, reading scontrol's line, the requeue.
+It runs on the host with the python3 on the PATH (the active environment's, else the
+node's), outside the container when the ranks run in one (srun, scontrol and scancel are on
+the host). That python3 may be as old as 3.6 (RHEL 8): so the standard library only, and
+nothing newer than Python 3.6 (tests/test_slurm_job.py checks it with vermin). The rules the
+ranks share with it are written here once, and ddpkit/launch.py, time_limit.py, rundir.py,
+options.py and jobs.py import them: the run's name, the rendezvous port, the job's name in
+scontrol, reading scontrol's line, the requeue, the exit codes.
 
     python3 ddpkit/slurm_job.py supervise --project DIR --batch-file FILE --environment TEXT -- [training options]
     PYTHON ddpkit/slurm_job.py task train|torchrun ARGS...   # what srun starts in each task
@@ -884,10 +885,10 @@ def main(argv: List[str]) -> int:
     parser.add_argument("command", choices=["supervise"])
     for name in ("--project", "--batch-file", "--environment"):
         parser.add_argument(name, default="")
-    parser.add_argument("args", nargs="*")
-    given = parser.parse_args(argv)
+    ours, args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    given = parser.parse_args(ours)
     try:
-        return supervise(given.project or ".", given.batch_file, given.environment, given.args)
+        return supervise(given.project or ".", given.batch_file, given.environment, args)
     except JobError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -304,7 +304,9 @@ def test_what_the_host_runs_needs_nothing_newer_than_python_3_6():
 
 
 def test_the_supervisor_outside_slurm_is_one_line():
-    result = subprocess.run(["python3", str(ROOT / "ddpkit" / "slurm_job.py"), "supervise", "--", "--epochs", "1"],
+    result = subprocess.run(["python3", str(ROOT / "ddpkit" / "slurm_job.py"), "supervise", "--project", str(ROOT),
+                             "--batch-file", str(SBATCH_FILE), "--environment", "python3 on the PATH", "--",
+                             "--epochs", "1", "--", "x"],
                             env=clean_env(PATH="/usr/bin:/bin"), capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (2, "run_training.sbatch: error: not inside a Slurm job. Submit it: "
                                                      "sbatch run_training.sbatch [options]\n")
