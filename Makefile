@@ -1,20 +1,29 @@
 # make run   - create .venv if missing, then train one process on the bundled MNIST sample
 # make test  - create .venv if missing, install what the tests need (Python packages; as
 #              root, Debian's Slurm, munge, shellcheck, openssh-server, bubblewrap, iptables and Fashion-MNIST), lint with
-#              ruff, check the docs' figures, run the whole suite
+#              ruff, check the docs' figures, run the whole suite: all but the Slurm tests on every core
+#              (pytest-xdist), then the Slurm tests in one process (their clusters listen on fixed ports)
+# make test-fast - the fast tier on every core: no Slurm, network namespaces or sshd, and none of
+#              the longer end-to-end runs (the markers `slurm` and `slow`, tests/conftest.py); no root
+#              needed (docs/tests.md)
 # make check-docs - the README's and docs' figures agree with docs/figures/ (benchmarks/figures.py)
 # make mutants - install mutmut, mutate the launch environment, the time limit, the printed
 #              commands and the requeue, the device choice, the training run, the epoch's shards,
 #              the training step, evaluation and build_training, and the sweep summary; run their
 #              fast unit tests against each mutant, print the survivors and the score (docs/mutants.md)
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
-#            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2").
+#            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2"), WORKERS (pytest-xdist
+#            workers for `make test` and `make test-fast`, default auto: one per CPU, at most 8).
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# Each worker holds torch twice (itself and its preloaded fork server, tests/preloaded.py):
+# about 1.5 GB.
+WORKERS ?= auto
+XDIST   := -n $(WORKERS) --maxprocesses 8
 
-.PHONY: run test check-docs mutants
+.PHONY: run test test-fast check-docs mutants
 
 # The functions `make mutants` mutates (mutmut's names; ? stands for the ǁ around a class name).
 MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.launch.x_port_from_job_id__*' \
@@ -40,7 +49,11 @@ test: $(VENV)/.installed-dev
 	./local-slurm.sh install
 	$(PY) -m ruff check .
 	$(PY) benchmarks/figures.py
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(XDIST) -m "not slurm" tests
+	$(PY) -m pytest -m slurm tests
+
+test-fast: $(VENV)/.installed-dev
+	$(PY) -m pytest $(XDIST) -m "not slurm and not slow" tests
 
 check-docs: $(VENV)/.installed
 	$(PY) benchmarks/figures.py

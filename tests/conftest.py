@@ -2,6 +2,7 @@
 in processes of their own, with a clean environment and a data directory of the test's own.
 Plain and srun-style runs are forked from a process that imported torch once (preloaded.py)."""
 
+import ast
 import json
 import os
 import re
@@ -24,20 +25,99 @@ SCRIPT = ROOT / "mnist_ddp.py"
 SAMPLE = ROOT / "data" / "mnist-sample"
 sys.path.insert(0, str(ROOT))
 
-# Tests that start a local Slurm cluster, network namespaces or sshd: `make test` runs
-# them all; `pytest -m "not slurm"` runs the rest.
+# Three tiers (docs/tests.md). `slurm`: the tests that start a local Slurm cluster, network
+# namespaces or sshd (by fixture or by file). `slow`: the longer end-to-end runs, SLOW below.
+# The fast tier is the rest: `make test-fast` runs it on every core (pytest-xdist), `make test`
+# runs all three, the Slurm tests in one process: their clusters listen on fixed ports.
 SLURM_FIXTURES = {"one_node", "two_nodes", "three_nodes", "network"}
 SLURM_MODULES = ("test_slurm", "test_tunnel")
+
+# Each of these took 2 s or more in a full run on 2 cores (call time, fixtures not counted),
+# or shares a fixture that costs as much with one that did: whole runs of mnist_ddp.py, under
+# torchrun or sweep.py, or of the benchmark. By file, then test name (every parametrization),
+# or name[id] (that one alone). SLOW_MODULES: every test of the file (test_tensorboard's share
+# a fixture of four runs).
+SLOW_MODULES = ("test_tensorboard",)
+SLOW = {
+    "test_adapt": {"test_own_image_folder_trains_through_both_feeds_alike",
+                   "test_own_test_metric_is_two_lines_in_evaluate_and_reaches_the_line_the_jsonl_and_tensorboard"},
+    "test_bad_input": {"test_read_only_data_dir_that_holds_the_data_is_used",
+                       "test_run_dir_in_a_read_only_parent_trains_without_the_hparams_declaration",
+                       "test_read_only_log_dir_is_refused_in_one_line"},
+    "test_benchmark": {"test_benchmark_quick_run", "test_ranks_quick_run"},
+    "test_checkpoints": {"test_a_copy_put_in_checkpoints_neither_wins_nor_is_lost"},
+    "test_continue": {"test_torchrun_continue_line_works_with_no_torchrun_on_the_path",
+                      "test_torchrun_continue_line_runs_as_printed",
+                      "test_a_stop_whose_requeue_fails_prints_the_continue_line_and_it_works",
+                      "test_train_it_longer_works_as_printed_twice",
+                      "test_after_ctrl_c_the_continue_line_works_with_no_environment_on_the_path",
+                      "test_stop_when_scontrol_cannot_reach_slurm_still_exits_75",
+                      "test_signal_during_start_up_is_kept",
+                      "test_same_run_name_continues_and_a_finished_run_says_so",
+                      "test_continue_line_leaves_out_resume_and_interrupt_at",
+                      "test_stopped_run_prints_the_command_that_continues_it"},
+    "test_doctor": {"test_a_rank_that_never_comes_is_named_within_the_timeout", "test_check_of_two_ranks_under_torchrun"},
+    "test_figures": {"test_the_fast_part_of_the_suite_is_what_the_slurm_marker_leaves",
+                     "test_every_figure_in_help_is_written_from_the_figure_files_and_checked"},
+    "test_imagesets": {"test_empty_class_folder_is_refused"},
+    "test_nothing_lost": {"test_ctrl_c_twice_under_torchrun_saves_and_leaves_no_traceback_on_the_ranks",
+                          "test_unnamed_runs_started_in_the_same_second_get_their_own_directories",
+                          "test_two_runs_of_one_name_at_once",
+                          "test_ctrl_c_saves_a_checkpoint_and_records_it",
+                          "test_ctrl_c_before_training_stops_at_once"},
+    "test_overhead": {"test_default_run_on_staged_data_does_not_load_torchvision",
+                      "test_the_first_step_says_how_long_start_up_took"},
+    "test_resume": {"test_killed_rank_ends_the_job"},
+    "test_shell_scripts": {"test_printed_torchrun_lines_run_with_a_space_in_the_script_path",
+                           "test_the_view_line_of_a_run_starts_tensorboard_sh_as_printed"},
+    "test_staging": {"test_rank0_downloads_behind_the_barrier", "test_two_jobs_share_one_data_dir"},
+    "test_sweep": {"test_a_sweep_runs_locally_and_its_summary_ranks_the_runs"},
+    "test_sweep_files": {"test_ctrl_c_in_a_local_sweep_lets_the_run_save_and_the_printed_line_goes_on",
+                         "test_a_refused_file_can_be_fixed_and_a_copy_that_nothing_ran_from_is_replaced",
+                         "test_a_hash_starts_a_comment_anywhere_and_quoted_values_keep_theirs",
+                         "test_sweep_run_records_each_exit_code_so_a_bad_option_shows_as_failed",
+                         "test_every_line_is_checked_with_the_scripts_own_options_before_anything_is_written"},
+    "test_training": {"test_torchrun_two_ranks", "test_two_ranks_match_one_process_with_twice_the_batch[compiled]",
+                      "test_smoke_run_learns", "test_tensorboard_events_hold_the_expected_tags",
+                      "test_gpu_speed_options_do_not_break_cpu_runs[compile]", "test_batchnorm_ranks_evaluate_rank_0s_model"},
+}
+
+
+def stale_slow_entries() -> list[str]:
+    """SLOW's entries whose file no longer defines their test (read with ast: nothing imported)."""
+    stale = []
+    for module, names in SLOW.items():
+        path = Path(__file__).with_name(f"{module}.py")
+        tree = ast.parse(path.read_text()) if path.exists() else ast.Module(body=[])
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        stale += [f"tests/{module}.py::{name}" for name in sorted(names) if name.split("[")[0] not in defined]
+    return stale
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: starts a local Slurm cluster, network namespaces or sshd")
+    config.addinivalue_line("markers", "slow: a longer end-to-end run (tests/conftest.py's SLOW); not in `make test-fast`")
+    stale = stale_slow_entries()
+    if stale and not hasattr(config, "workerinput"):  # (said once, by pytest-xdist's controller)
+        raise pytest.UsageError(f"tests/conftest.py: SLOW names {', '.join(stale)}, which no longer exist: rename "
+                                "each entry with its test, or remove it")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if SLURM_FIXTURES & set(item.fixturenames) or item.module.__name__ in SLURM_MODULES:
+        module = item.module.__name__
+        if SLURM_FIXTURES & set(item.fixturenames) or module in SLURM_MODULES:
             item.add_marker(pytest.mark.slurm)
+        if module in SLOW_MODULES or {item.name, item.originalname} & SLOW.get(module, set()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Two pytest-xdist workers would each start the same cluster, on the same ports."""
+    if item.get_closest_marker("slurm") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.fail("the Slurm tests share clusters on fixed ports: run them in one process (-m slurm, without -n), "
+                    "as `make test` does", pytrace=False)
 
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")

@@ -37,9 +37,12 @@ def run_script(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     # OpenMP read OMP_NUM_THREADS when torch loaded, in the server: apply this run's, or the
-    # default of a process started afresh (the CPUs it may use).
+    # default of a process started afresh (the CPUs it may use), shared among the pytest-xdist
+    # workers that run beside it: more threads than CPUs spin in OpenMP's waits, and the
+    # runs of two workers took up to twice as long.
     import torch
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
+    workers = int(env.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // workers)))
     # A process the forkserver starts inherits its start method: give back the platform's
     # default, so that DataLoader workers start as in a process started afresh (not through
     # a forkserver of this run's own, which would import torch again, seconds per epoch).
