@@ -12,6 +12,7 @@ import shlex
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,10 +33,12 @@ from ddpkit.distributed import (
     barrier,
     gather_to_all,
     init_distributed,
+    leave_after_lost_peer,
     nondeterministic_operation,
     teardown_distributed,
 )
 from ddpkit.doctor import check_job
+from ddpkit.hangs import HangWatch, Peer, default_hang_after
 from ddpkit.launch import (
     EXIT_BUG,
     EXIT_DIVERGED,
@@ -73,11 +76,12 @@ def requeue_slurm_job(launch: Launch) -> bool:
 
 
 # What a command that continues a run leaves out: where the first one started from, the
-# testing aid (it would stop the run again at the same step), staging alone; and, under
+# testing aid (it would stop the run again at the same step), staging alone, a profile (it
+# was taken); and, under
 # run_training.sbatch, what the batch file passes itself (from LOG_DIR and RUN_NAME; it
 # refuses these options after its name). The data directories stay: an option given after
 # the batch file's name wins over DATA_DIR.
-NOT_CONTINUED = ("resume", "interrupt_at", "download_only")
+NOT_CONTINUED = ("resume", "interrupt_at", "download_only", "profile")
 SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
 
 
@@ -156,6 +160,7 @@ class Job:
     progress: Progress = dataclasses.field(default_factory=Progress)  # the run's, once resumed (a lost peer names its step)
     on_divergence: Mapping[str, str] = dataclasses.field(default_factory=dict)
     startup: StartupClock = dataclasses.field(default_factory=StartupClock)  # rank 0 prints `ready in` at the first step
+    hang_watch: HangWatch | None = None  # this rank's watchdog (several ranks), once the ranks have met
 
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
@@ -176,7 +181,9 @@ class Job:
         ckpt_path, changed, loss_sums = self.resume(state, epochs, max_steps, classes, shape)
         progress = self.progress
         schedule_offset, total_steps = schedule_of(progress, steps_per_epoch, epochs, max_steps)
-        hosts = self.meet_the_other_ranks()
+        peers, attempt_started = self.meet_the_other_ranks()
+        hosts = [peer.host for peer in peers]
+        self.watch_for_hangs(peers, attempt_started)
         # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
         # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
         here = checkpoint_path(self.run_dir, progress.step)
@@ -190,7 +197,8 @@ class Job:
                            saved_options=saved_options, classes=classes, progress=progress, loss_sums=loss_sums,
                            epochs=epochs, max_steps=max_steps, steps_per_epoch=steps_per_epoch,
                            schedule_offset=schedule_offset, total_steps=total_steps, logger=self.logger,
-                           startup=self.startup if rt.is_main else None, time_limit=time_limit, shape=shape)
+                           startup=self.startup if rt.is_main else None, time_limit=time_limit, shape=shape,
+                           hosts=hosts)
         if save_here:
             self.run.checkpoint()
             if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
@@ -227,13 +235,25 @@ class Job:
         progress.finished = False
         return ckpt_path, changed, loss_sums
 
-    def meet_the_other_ranks(self) -> list[str]:
-        """Every rank's host name, in rank order; the job's attempt becomes the highest any
-        rank counts (torchrun's agents count their restarts each on their own)."""
-        starts = gather_to_all((socket.gethostname(), self.launch.attempt), "sharing the host names")
-        self.launch = dataclasses.replace(self.launch, attempt=max((a for _, a in starts),
+    def meet_the_other_ranks(self) -> tuple[list[Peer], str]:
+        """Every rank's host and process id, in rank order, and when rank 0 started this attempt
+        (the name of its hang reports' folder); the job's attempt becomes the highest any rank
+        counts (torchrun's agents count their restarts each on their own)."""
+        starts = gather_to_all((socket.gethostname(), self.launch.attempt, os.getpid(), time.strftime("%Y%m%d-%H%M%S")),
+                               "sharing the host names")
+        self.launch = dataclasses.replace(self.launch, attempt=max((start[1] for start in starts),
                                                                    key=lambda a: int(a.split("/")[0])))
-        return [host for host, _ in starts]
+        return [Peer(rank, host, pid) for rank, (host, _, pid, _) in enumerate(starts)], starts[0][3]
+
+    def watch_for_hangs(self, peers: list[Peer], attempt_started: str) -> None:
+        """With several ranks, this rank's watchdog: a wait on the others longer than --hang-after
+        leaves every rank's stacks in RUN_DIR/hangs/<attempt_started> and one line (hangs.py)."""
+        options = self.options
+        hang_after = default_hang_after(options.dist_timeout) if options.hang_after == 0 else options.hang_after
+        if self.rt.world_size > 1 and hang_after > 0:
+            roots = (Path(sys.argv[0]).resolve().parent, Path(__file__).resolve().parent)
+            self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
+                                        hang_after=hang_after, roots=roots).start()
 
     def start_log(self, saved_options: dict, hparams: HParams, hosts: list[str], classes: tuple[str, ...],
                   ckpt_path: str, changed: str) -> None:
@@ -406,6 +426,8 @@ def end_job(code: int, launch: Launch | None, job: Job | None) -> None:
     if code != 0:
         record_exit(code, launch)
     if job:
+        if job.hang_watch:
+            job.hang_watch.stop()
         with contextlib.suppress(OSError):  # a full disk: the one line above says so already
             job.logger.close()
         if job.claim:
@@ -413,3 +435,5 @@ def end_job(code: int, launch: Launch | None, job: Job | None) -> None:
     if code == 0:
         record_exit(code, launch)
     teardown_distributed(together=code in (0, EXIT_STOPPED))
+    if code == EXIT_LOST_PEER and job:
+        leave_after_lost_peer(code)

@@ -46,6 +46,10 @@ class RunOptions:
     device: str = option("auto", "auto: cuda when available", "distributed", choices=("auto", "cpu", "cuda"))
     dist_timeout: float = option(300.0, "seconds a collective may wait for a missing rank before the job fails",
                                  "distributed")
+    hang_after: float = option(0.0, "seconds a rank may wait on the others (in a training step or a collective) before "
+                               "every rank writes its stacks to RUN_DIR/hangs and one line names the rank that holds "
+                               "them up, where it is and on which host (0: a fifth of --dist-timeout, at least 10 s; "
+                               "-1: never)", "distributed")
     check: bool = option(False, "check the job instead of training, in about a minute: every rank joins (within "
                          "--dist-timeout or 60 s, the shorter) and says its host, device, CPUs, GPUs, network interface "
                          "and versions; an all-reduce with a known answer; a timed 64 MB all-reduce. Exit 0, or 4 naming "
@@ -57,6 +61,9 @@ class RunOptions:
     deterministic: bool = option(False, "bit-identical GPU runs and resumes: deterministic cuDNN and cuBLAS kernels, "
                                  "torch.use_deterministic_algorithms (slower on GPUs; CPU runs at the same thread count "
                                  "are bit-identical without it)", "speed")
+    profile: int = option(0, "profile N steps on every rank with torch.profiler, after a few steps of warm-up: a trace "
+                          "per rank in RUN_DIR/profile/, and a table of the top operators and the share of the step "
+                          "spent in communication (0: only when RUN_DIR/profile-now appears, for 10 steps)", "speed")
     # output
     log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "
@@ -91,6 +98,8 @@ class RunOptions:
 # restarts them again and again. Above a week a hang is not worth waiting for (time limits
 # end jobs sooner), and far larger values overflow timedelta and Gloo's clock.
 DIST_TIMEOUT_RANGE = (10.0, 7 * 24 * 3600.0)
+# A hang report takes a few seconds to gather (hangs.GRACE): waits shorter than this are not hangs.
+HANG_AFTER_LOW = 5.0
 
 
 def need(ok: bool, message: str) -> None:
@@ -104,6 +113,10 @@ def check_run_options(c: RunOptions) -> None:
     low, high = DIST_TIMEOUT_RANGE
     need(low <= c.dist_timeout <= high,
          f"--dist-timeout must be from {low:g} to {high:g} seconds (a week), got {c.dist_timeout:g}")
+    need(c.hang_after in (0, -1) or (math.isfinite(c.hang_after) and HANG_AFTER_LOW <= c.hang_after < c.dist_timeout),
+         f"--hang-after must be 0 (a fifth of --dist-timeout), -1 (never) or from {HANG_AFTER_LOW:g} s to below "
+         f"--dist-timeout ({c.dist_timeout:g} s), got {c.hang_after:g}")
+    need(c.profile >= 0, f"--profile must be 0 (on request only) or a number of steps, got {c.profile}")
     need(c.data_workers >= 0, f"--data-workers must be 0 (read in the training process) or more, got {c.data_workers}")
     need(c.log_every >= 1, f"--log-every must be at least 1, got {c.log_every}")
     need(math.isfinite(c.progress_every) and c.progress_every >= 0,

@@ -37,25 +37,32 @@ class CheckpointClock:
 @dataclass(frozen=True)
 class Verdict:
     """What the ranks agreed on about one step: some rank got a stop signal, some rank's
-    loss is not finite, some rank's clock says a checkpoint is due."""
+    loss is not finite, some rank's clock says a checkpoint is due, rank 0 found a request
+    for a profile (RUN_DIR/profile-now); at the end of a --log-every window, each rank's
+    time per step in it (ms, rank order; else empty)."""
     stopping: bool = False
     diverged: bool = False
     ckpt_due: bool = False
+    profile: bool = False
+    step_ms: tuple = ()
 
 
 class AgreementBuffers:
     """The per-step agreement's tensors, made once per run, so that a step adds one copy and
-    one all-reduce: [stop, checkpoint due, loss] on the device, summed over the ranks (a
-    non-finite sum means some rank's loss is not finite), and on a GPU a pinned host copy of
-    the result and the event after which it holds it."""
+    one all-reduce: [stop, checkpoint due, profile, loss, each rank's ms per step] on the
+    device, summed over the ranks (a non-finite sum means some rank's loss is not finite;
+    each rank writes its own time slot, at a window's end only), and on a GPU a pinned host
+    copy of the result and the event after which it holds it."""
 
-    def __init__(self, device: torch.device):
-        self.flags = torch.zeros(3, device=device)
-        self.host_flags, self.loss = self.flags[:2], self.flags[2]  # views
+    def __init__(self, device: torch.device, world_size: int = 1, rank: int = 0):
+        self.flags = torch.zeros(4 + world_size, device=device)
+        self.host_flags, self.loss, self.step_ms = self.flags[:3], self.flags[3], self.flags[4:]  # views
+        self.mine = self.step_ms[rank]
         on_gpu = device.type == "cuda"
-        self.result = torch.zeros(3, pin_memory=True) if on_gpu else self.flags
+        self.result = torch.zeros(4 + world_size, pin_memory=True) if on_gpu else self.flags
         self.copied = torch.cuda.Event() if on_gpu else None
         self.host_flags_set = False  # whether host_flags may hold more than zeros (written here, or summed)
+        self.step_ms_set = False     # likewise the time slots
 
 
 @dataclass(frozen=True)
@@ -70,19 +77,26 @@ AGREEMENT = "the per-step agreement (stop, divergence, checkpoint time)"
 
 
 def start_agreement(stop: StopSignals, loss: torch.Tensor, clock: CheckpointClock, rt: Runtime,
-                    buffers: AgreementBuffers | None = None) -> PendingAgreement:
-    """Start this step's agreement: one small all-reduce of every rank's flags and loss, which
-    runs while the next step computes; read_agreement reads it one step later. Reading it at
-    once would make the host wait for the step to finish on a GPU (twice: the loss check
-    and the result), so the next step's kernels could not be queued behind it."""
-    buffers = buffers or AgreementBuffers(rt.device)
-    host = (float(stop.asked()), float(clock.due()))
+                    buffers: AgreementBuffers | None = None, profile: bool = False,
+                    step_ms: float | None = None) -> PendingAgreement:
+    """Start this step's agreement: one small all-reduce of every rank's flags and loss (and,
+    at a log window's end, its `step_ms`), which runs while the next step computes;
+    read_agreement reads it one step later. Reading it at once would make the host wait for
+    the step to finish on a GPU (twice: the loss check and the result), so the next step's
+    kernels could not be queued behind it."""
+    buffers = buffers or AgreementBuffers(rt.device, rt.world_size, rt.rank)
+    host = (float(stop.asked()), float(clock.due()), float(profile))
     if any(host):  # rare: a new tensor then is no cost
         buffers.host_flags.copy_(torch.tensor(host))
         buffers.host_flags_set = True
     elif buffers.host_flags_set:
         buffers.host_flags.zero_()
         buffers.host_flags_set = False
+    if step_ms is not None or buffers.step_ms_set:  # (every --log-every steps, and the step after)
+        buffers.step_ms.zero_()
+        if step_ms is not None:
+            buffers.mine.fill_(step_ms)
+        buffers.step_ms_set = step_ms is not None
     with torch.no_grad():
         buffers.loss.copy_(loss)
     with collective(AGREEMENT):
@@ -105,9 +119,13 @@ def read_agreement(pending: PendingAgreement) -> Verdict:
             pending.work.wait()
         if buffers.copied is not None:
             buffers.copied.synchronize()
-    stopping, ckpt_due, loss = buffers.result.tolist()
-    buffers.host_flags_set = buffers.host_flags_set or stopping > 0 or ckpt_due > 0
-    return Verdict(stopping > 0, not math.isfinite(loss), ckpt_due > 0)
+    if buffers.step_ms_set:
+        stopping, ckpt_due, profile, loss, *step_ms = buffers.result.tolist()
+    else:
+        stopping, ckpt_due, profile, loss = buffers.result[:4].tolist()
+        step_ms = ()
+    buffers.host_flags_set = buffers.host_flags_set or stopping > 0 or ckpt_due > 0 or profile > 0
+    return Verdict(stopping > 0, not math.isfinite(loss), ckpt_due > 0, profile > 0, tuple(step_ms))
 
 
 def is_lost_peer(err: BaseException) -> bool:

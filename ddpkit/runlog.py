@@ -312,6 +312,12 @@ class RunLogger:
                                   dataformats="HWC")
         self.writer.flush()  # per epoch, not per step: cheap and TensorBoard stays current
 
+    def speed(self, step: int, slowest_ms: float, median_ms: float) -> None:
+        """Every --log-every steps on several ranks: the slowest and the median rank's own time a
+        step in the window (stragglers.py)."""
+        self.writer.add_scalar("speed/slowest_rank_ms", slowest_ms, step)
+        self.writer.add_scalar("speed/median_rank_ms", median_ms, step)
+
     def note(self, line: str, step: int) -> None:
         """A line for stdout and the TEXT tab's log."""
         print(line, flush=True)
@@ -335,6 +341,7 @@ class NullLogger:
 
     def step(self, *args) -> None: ...
     def epoch(self, record: dict, evaluation, pictures: bool) -> None: ...
+    def speed(self, step: int, slowest_ms: float, median_ms: float) -> None: ...
     def note(self, line: str, step: int) -> None: ...
     def finish(self, final: dict, step: int) -> None: ...
     def close(self) -> None: ...

@@ -17,13 +17,19 @@ from pathlib import Path
 
 import torch
 
+from ddpkit import hangs
 from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.distributed import Runtime, all_reduce, set_background
 from ddpkit.launch import Diverged, StartupClock, StopSignals
 from ddpkit.options import RunOptions
+from ddpkit.profiling import StepProfiler
 from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.runlog import gpu_figures, peak_rss_mb
+from ddpkit.stragglers import StepTimer, Stragglers
 from ddpkit.time_limit import TimeLimit
+
+# What the ranks do together during a training step: DDP averages the gradients inside backward().
+GRADIENT_ALL_REDUCE = "the gradient all-reduce of a training step"
 
 
 class EpochLoss:
@@ -59,7 +65,7 @@ class TrainingRun:
                  state: Mapping[str, object], saved_options: dict, classes: tuple[str, ...], progress: Progress,
                  loss_sums: torch.Tensor, epochs: int, max_steps: int, steps_per_epoch: int, schedule_offset: int,
                  total_steps: int, logger, startup: StartupClock | None = None, time_limit: TimeLimit | None = None,
-                 shape: tuple[int, int, int] | None = None):
+                 shape: tuple[int, int, int] | None = None, hosts: list[str] | None = None):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
         self.classes, self.shape = classes, shape  # what the data is, for every checkpoint
         self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
@@ -67,13 +73,21 @@ class TrainingRun:
         # The learning-rate schedule runs in this world size's steps (schedule_step of
         # total_steps); the step count goes on from the checkpoint's.
         self.schedule_offset, self.total_steps, self.logger = schedule_offset, total_steps, logger
-        self.clock, self.pending, self.agreement = CheckpointClock(options.ckpt_minutes), None, AgreementBuffers(rt.device)
+        self.clock, self.pending = CheckpointClock(options.ckpt_minutes), None
+        self.agreement = AgreementBuffers(rt.device, rt.world_size, rt.rank)
         self.earlier, self.stopping = Verdict(), False  # the previous step's agreement; a stop every rank agreed on
         self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
         self.epoch_started, self.trained = time.perf_counter(), 0
         self.startup = startup  # printed as `ready in ...` when the first step is about to run
         self.estimate_due = time_limit  # rank 0's watch on the job's end, until it said whether the run fits
-        self.epoch_first_step = progress.step
+        self.epoch_first_step = self.started_at = progress.step
+        # What each rank's own part of a step takes (several ranks), rank 0's judgement of it,
+        # and a profile when --profile or RUN_DIR/profile-now asks for one.
+        # (Not under --compile: the timer's forward hook would be compiled into the graph.)
+        model = state.get("model") if rt.world_size > 1 and not options.compile else None
+        self.timer = StepTimer(model if isinstance(model, torch.nn.Module) else None)
+        self.stragglers = Stragglers(hosts or []) if rt.is_main and self.timer.hook else None
+        self.profiler = StepProfiler(run_dir, rt.rank, rt.is_main, rt.device, options.profile, progress.step)
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -94,11 +108,16 @@ class TrainingRun:
         self.epoch_started, self.trained, self.epoch_first_step = time.perf_counter(), 0, self.progress.step
         if self.rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.rt.device)
-        set_background("the gradient all-reduce of a training step")
+        set_background(GRADIENT_ALL_REDUCE)
+        self.timer.step_ended()  # (the epoch's first step: its own time starts here)
+        if self.progress.step > self.started_at:  # (this start's first step compiles, allocates: not watched)
+            hangs.next_step(self.progress.step, GRADIENT_ALL_REDUCE)
 
     def step_done(self, loss: torch.Tensor, images: int) -> None:
         """After each optimiser step: count it and log it, read the previous step's agreement
-        (a stop, a loss that is not finite, the checkpoint clock) and start this one's."""
+        (a stop, a loss that is not finite, the checkpoint clock, a profile request; at a log
+        window's end every rank's time a step) and start this one's."""
+        self.timer.step_ended()
         progress = self.progress
         self.loss.add(loss, images)
         self.trained += images
@@ -107,12 +126,19 @@ class TrainingRun:
             self.stop.time_limit.stepped(time.perf_counter())
         # The ranks agree on the previous step while this one runs: a stop lands one step
         # after its signal, on every rank alike, and no step waits for the host.
+        window_end = progress.step % self.options.log_every == 0
+        step_ms = self.timer.window_ms() if window_end and self.timer.hook else None
+        profile = window_end and self.rt.is_main and self.profiler.requested()
         self.earlier = read_agreement(self.pending) if self.pending else Verdict()
-        self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement)
+        self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement, profile, step_ms)
         self.stopping = self.stopping or self.earlier.stopping
         if self.earlier.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite", progress.step - 1)
         self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
+        if self.earlier.step_ms and self.stragglers:
+            self.judge_speed(self.earlier.step_ms)
+        self.profiler.step_done(progress.step, self.earlier.profile)
+        hangs.next_step(progress.step, GRADIENT_ALL_REDUCE)
 
     def checkpoint_due(self) -> bool:
         """Whether the step just done saves a checkpoint: every --ckpt-every steps, once
@@ -129,6 +155,7 @@ class TrainingRun:
         """Save where the run stands (every rank: each saves its own state). After a step, its
         agreement is waited for first: a loss that is not finite is never saved, and a stop
         asked for during the step stops at this checkpoint."""
+        hangs.waiting_in(None)  # its own work; the collectives inside are watched
         if self.pending:  # saving waits for the step anyway
             self.this_step()
         if not weights_are_finite(self.state):
@@ -139,6 +166,9 @@ class TrainingRun:
         if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()
+        self.timer.step_ended()  # (the next step's own time starts after the save)
+        if self.progress.step > self.started_at:
+            hangs.next_step(self.progress.step, GRADIENT_ALL_REDUCE)
         return path
 
     def stop_agreed(self) -> bool:
@@ -156,6 +186,7 @@ class TrainingRun:
         the recipe's Evaluation: each of its metrics (name -> float; "loss" and "accuracy"
         among them) goes into the record as test_<name>."""
         rt, progress = self.rt, self.progress
+        hangs.waiting_in(None)  # its own work; the collectives inside are watched
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         train_seconds = time.perf_counter() - self.epoch_started
@@ -199,6 +230,7 @@ class TrainingRun:
         so, so that running the same command again finds nothing left to do. (A run stopped
         at its very last step, or at the cap, before the evaluation, evaluates here.)"""
         progress = self.progress
+        self.profiler.finish_early(progress.step)
         if self.evaluation_due():
             self.startup = None  # (no step follows: no `ready in` line)
             self.epoch_begins()
@@ -212,8 +244,18 @@ class TrainingRun:
         progress.finished = True
         self.checkpoint()
         self.logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
+        hangs.waiting_in(None)
+        self.timer.remove()
 
     # ------------------------------------------------------------------ what they share
+
+    def judge_speed(self, step_ms: tuple) -> None:
+        """(rank 0) A window's times of every rank: the slowest and the median to TensorBoard,
+        and a line when one rank stays slow (stragglers.py)."""
+        _, slowest_ms, median_ms, line = self.stragglers.window(step_ms)
+        self.logger.speed(self.progress.step, slowest_ms, median_ms)
+        if line:
+            self.logger.note(line, self.progress.step)
 
     def this_step(self) -> Verdict:
         """This step's agreement, waited for: before a checkpoint and at the epoch's last step."""
@@ -241,7 +283,29 @@ class InterruptingRun(TrainingRun):
         super().step_done(loss, images)
 
 
+class TroubledRun(TrainingRun):
+    """Testing aids for the hang report and the straggler line, set by environment variables
+    that users never see (not options): MNIST_DDP_TEST_HANG=R:N, rank R hangs in Python when
+    step N ends; MNIST_DDP_TEST_SLOW=R:S, rank R sleeps S seconds before each forward pass."""
+
+    def __init__(self, **fields):
+        super().__init__(**fields)
+        slow = os.environ.get("MNIST_DDP_TEST_SLOW", "")
+        if slow and int(slow.split(":")[0]) == self.rt.rank:
+            seconds = float(slow.split(":")[1])
+            self.state["model"].register_forward_pre_hook(lambda *_: time.sleep(seconds))
+
+    def step_done(self, loss: torch.Tensor, images: int) -> None:
+        hang = os.environ.get("MNIST_DDP_TEST_HANG", "")
+        if hang and hang == f"{self.rt.rank}:{self.progress.step + 1}":
+            time.sleep(3600)  # (until the test, or the launcher after --dist-timeout, ends it)
+        super().step_done(loss, images)
+
+
 def new_run(**fields) -> TrainingRun:
-    """TrainingRun(**fields), or on rank 0 with --interrupt-at an InterruptingRun."""
+    """TrainingRun(**fields); on rank 0 with --interrupt-at an InterruptingRun; with a test's
+    MNIST_DDP_TEST_HANG or MNIST_DDP_TEST_SLOW a TroubledRun."""
+    if os.environ.get("MNIST_DDP_TEST_HANG") or os.environ.get("MNIST_DDP_TEST_SLOW"):
+        return TroubledRun(**fields)
     interrupting = fields["options"].interrupt_at and fields["rt"].is_main
     return (InterruptingRun if interrupting else TrainingRun)(**fields)

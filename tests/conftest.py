@@ -156,14 +156,15 @@ def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 300) -
 
 
 def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, job_id: str = "4242",
-                command: list[str] | None = None, detach: bool = False):
+                command: list[str] | None = None, detach: bool = False, env: dict[str, str] | None = None):
     """One process per task with the variables srun gives its tasks on one node (job_id ""
-    leaves SLURM_JOB_ID out). Returns the finished results, or with detach the processes."""
+    leaves SLURM_JOB_ID out), and `env`. Returns the finished results, or with detach the processes."""
+    extra = env or {}
     host = socket.gethostname()
     port = str(free_port())
     procs = []
     for rank in range(ntasks):
-        env = clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),
+        env = clean_env(**extra, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),
                         SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_JOB_NODELIST=host,
                         SLURM_STEP_NODELIST=host, SLURM_CPUS_PER_TASK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         if job_id:

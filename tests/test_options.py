@@ -48,8 +48,8 @@ def test_the_groups_of_the_command_line_in_order():
                               "--data-feed", "--data-workers"]
     assert groups["training"][:2] == ["--model", "--epochs"]
     assert {"--global-batch", "--batch-size", "--lr", "--weight-decay", "--seed", "--max-steps"} <= set(groups["training"])
-    assert groups["distributed"] == ["--backend", "--device", "--dist-timeout", "--check"]
-    assert groups["speed"] == ["--amp", "--channels-last", "--compile", "--deterministic"]
+    assert groups["distributed"] == ["--backend", "--device", "--dist-timeout", "--hang-after", "--check"]
+    assert groups["speed"] == ["--amp", "--channels-last", "--compile", "--deterministic", "--profile"]
     assert groups["output"] == ["--log-dir", "--run-name", "--run-dir", "--log-every", "--progress-every",
                                 "--image-every"]
     assert groups["checkpoints and preemption"] == ["--resume", "--ckpt-every", "--ckpt-minutes", "--stop-before",

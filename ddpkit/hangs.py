@@ -1,0 +1,287 @@
+"""Hang reports: where each rank is when the ranks stop moving together, in one line, with
+every rank's stacks kept.
+
+Each rank marks what it is doing that waits on the others (`waiting_in`): a training step,
+whose gradient all-reduce waits for every rank, or a labelled collective (distributed.py's
+`collective`). Its own watchdog thread (HangWatch) sees when one of these has lasted longer
+than --hang-after seconds, well before --dist-timeout ends it. The rank then writes every
+thread's stack to RUN_DIR/hangs/<attempt>/rank-<r>-<host>.txt and a summary beside it:
+its innermost frame in the recipe or ddpkit, and the collective it waits in, if any. A
+rank that waits reads the others' summaries a few seconds later; for a rank that wrote
+none, a waiting rank on the same host reads /proc: stopped (state T), in uninterruptible
+I/O (state D), or gone. The lowest waiting rank prints the verdict in one line. A C call
+that holds the interpreter's lock stops the watchdog thread too: faulthandler, armed a
+little later than the watchdog, then writes that rank's stacks from C. Healing is as
+before: --dist-timeout ends the wait, and the job starts again from its newest checkpoint.
+
+Standard library only: distributed.py marks its collectives here."""
+
+import contextlib
+import faulthandler
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+KIT = Path(__file__).resolve().parent   # ddpkit/
+GRACE = 3.0     # seconds a waiting rank gives the others to write their summaries
+TICK = 1.0      # seconds between the watchdog's looks
+# Where a rank that is inside torch's collectives or its backward pass waits: it has
+# reached the collective (DDP's gradient all-reduce runs inside backward()).
+TORCH_WAITS = re.compile(r"torch/(distributed|nn/parallel|autograd)/")
+
+# What this process's main thread does that waits on the other ranks: (what, since, whether
+# it is a training step, which waits only once inside torch), or None.
+_waiting: list = [None]
+_step = [0]  # the steps this rank has finished, for the report
+
+
+def waiting_in(what: str | None, training_step: bool = False) -> object:
+    """From now on, the main thread waits on the other ranks in `what` (None: it does its own
+    work, which is not watched). Returns what it did before, for `restore`."""
+    before = _waiting[0]
+    _waiting[0] = (what, time.monotonic(), training_step) if what else None
+    return before
+
+
+def restore(before: object) -> None:
+    _waiting[0] = before
+
+
+@contextlib.contextmanager
+def waiting(what: str):
+    before = waiting_in(what)
+    try:
+        yield
+    finally:
+        restore(before)
+
+
+def next_step(finished: int, label: str) -> None:
+    """`finished` steps are done; the next one, whose gradient all-reduce (`label`) waits on
+    every rank, is watched from now on."""
+    _step[0] = finished
+    waiting_in(label, training_step=True)
+
+
+@dataclass(frozen=True)
+class Peer:
+    rank: int
+    host: str
+    pid: int
+
+
+def default_hang_after(dist_timeout: float) -> float:
+    """--hang-after 0: a fifth of --dist-timeout, at least 10 s (0, off, when that is not below it)."""
+    seconds = max(10.0, dist_timeout / 5)
+    return seconds if seconds < dist_timeout else 0.0
+
+
+def innermost_own_frame(frames: list[tuple[str, int, str]], roots: tuple[Path, ...]) -> str:
+    """The innermost frame (file, line, function; outermost first) in `roots` (the recipe's
+    directory, ddpkit/), as `file.py:LINE in function`, the path relative to the project."""
+    for filename, line, function in reversed(frames):
+        path = Path(filename).resolve()
+        if {"site-packages", "dist-packages"} & set(path.parts):  # (an environment inside the project)
+            continue
+        for root in roots:
+            if path.is_relative_to(root):
+                shown = path.relative_to(root.parent if root == KIT else root)
+                return f"{shown}:{line} in {function}"
+    return "no frame of the recipe or ddpkit (see its stacks)"
+
+
+def main_thread_frames() -> list[tuple[str, int, str]]:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def faulthandler_frames(text: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames (outermost first) from a faulthandler dump, which lists the
+    threads newest first (the main thread last), each most recent call first."""
+    blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if "(most recent call first)" in b]
+    block = blocks[-1] if blocks else ""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+    return [(f, int(n), name) for f, n, name in frames][::-1]
+
+
+def process_state(pid: int, proc: Path = Path("/proc")) -> str:
+    """How a process on this host looks from outside: 'stopped (state T ...)', 'in
+    uninterruptible I/O (state D ...)', its state letter, or 'gone (no such process)'."""
+    try:
+        status = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return "gone (no such process)"
+    state = re.search(r"^State:\s*(\S)\s*\(([^)]*)\)", status, re.M)
+    letter, words = (state.group(1), state.group(2)) if state else ("?", "unknown")
+    try:
+        wchan = (proc / str(pid) / "wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    wchan = f", in the kernel at {wchan}" if wchan and wchan != "0" else ""
+    if letter in "Tt":
+        return f"stopped (state {letter}, {words}: SIGSTOP or a debugger{wchan})"
+    if letter == "D":
+        return f"in uninterruptible I/O (state D{wchan}: a hung file system or device)"
+    if letter in "ZX":
+        return f"dead (state {letter}, {words})"
+    return f"alive but silent (state {letter}, {words}{wchan})"
+
+
+def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, folder: Path) -> str:
+    """The one line: the ranks that have not reached the collective the others wait in,
+    their hosts and where each is; then where the stacks are."""
+    waiting = {r: s for r, s in summaries.items() if s.get("waiting")}
+    labels = sorted({s["waiting"] for s in waiting.values()}, key=lambda w: -sum(s["waiting"] == w for s in waiting.values()))
+    behind = []
+    for peer in peers:
+        summary = summaries.get(peer.rank)
+        if summary is None:
+            behind.append(f"rank {peer.rank} on {peer.host}: no answer")
+        elif summary.get("outside"):
+            behind.append(f"rank {peer.rank} on {peer.host} is {summary['outside']}")
+        elif not summary.get("waiting"):
+            behind.append(f"rank {peer.rank} on {peer.host} is at {summary['where']}")
+    step = min((s["step"] for s in summaries.values() if "step" in s), default=0)
+    ranks = ", ".join(str(r) for r in sorted(waiting)) or "none"
+    if not behind:
+        every = "; ".join(f"rank {r} in {s['waiting']} at {s['where']}" for r, s in sorted(waiting.items()))
+        return (f"hang after step {step}: every rank waits in a collective, not all in the same one? {every}; every "
+                f"rank's stacks: {folder}")
+    return (f"hang after step {step}: {'; '.join(behind)}; rank(s) {ranks} wait for it in {' / '.join(labels)} "
+            f"for {waited:.0f} s; every rank's stacks: {folder}")
+
+
+class HangWatch:
+    """This rank's watchdog: a thread that looks every TICK at what the main thread waits in."""
+
+    def __init__(self, *, rank: int, peers: list[Peer], folder: Path, hang_after: float, roots: tuple[Path, ...],
+                 stream=None):
+        self.rank, self.peers, self.hang_after, self.roots = rank, peers, hang_after, roots
+        self.folder = folder.resolve()
+        self.stream = stream or sys.stderr
+        self.host = socket.gethostname()
+        self.stacks = folder / f"rank-{rank}-{self.host}.txt"
+        self.reported = None  # the wait already reported
+        self.file = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="hang-watch", daemon=True)
+
+    def start(self) -> "HangWatch":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """At the run's end: the thread ends, and files of reports that never came are removed."""
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            faulthandler.cancel_dump_traceback_later()
+        if self.file:
+            self.file.close()
+        remove_empty(self.folder.parent)
+
+    def watch(self) -> None:
+        armed = False
+        while not self.stopped.wait(TICK):
+            now = _waiting[0]
+            if now is None:  # its own work (evaluation, a save): not watched
+                if armed:
+                    faulthandler.cancel_dump_traceback_later()
+                    armed = False
+                continue
+            self.arm_faulthandler()
+            armed = True
+            what, since, training_step = now
+            waited = time.monotonic() - since
+            if waited >= self.hang_after and self.reported is not now:
+                self.reported = now
+                try:
+                    self.report(what, since, training_step)
+                except Exception as err:  # a report must never end the run
+                    print(f"hang report of rank {self.rank} failed: {err}", file=self.stream, flush=True)
+
+    def arm_faulthandler(self) -> None:
+        """Should this thread stop (a C call holding the interpreter's lock), faulthandler
+        writes the stacks a little after this thread would have."""
+        if self.file is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.stacks, "a")
+        faulthandler.dump_traceback_later(self.hang_after + 3 * TICK, repeat=False, file=self.file)
+
+    def report(self, what: str, since: float, training_step: bool) -> None:
+        frames = main_thread_frames()
+        where = innermost_own_frame(frames, self.roots)
+        # A labelled collective is waited in; a training step once inside torch's collectives or backward.
+        inside_torch = any(TORCH_WAITS.search(f.replace(os.sep, "/")) for f, _, _ in frames)
+        waits = what if inside_torch or not training_step else ""
+        waited = time.monotonic() - since
+        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), after step {_step[0]}: "
+                        f"{'waits in ' + waits if waits else 'has not reached ' + what} for {waited:.0f} s, at {where}\n")
+        self.file.flush()
+        faulthandler.dump_traceback(self.file, all_threads=True)
+        self.file.write("\n")
+        self.file.flush()
+        summary = {"rank": self.rank, "host": self.host, "step": _step[0], "waiting": waits, "where": where}
+        write_json(self.folder / f"rank-{self.rank}.json", summary)
+        if not waits:
+            return
+        self.stopped.wait(GRACE)
+        summaries = self.read_summaries()
+        for peer in self.peers:  # a rank of this host that wrote nothing: look at it from outside
+            if peer.rank not in summaries and peer.host == self.host:
+                write_json(self.folder / f"rank-{peer.rank}.json",
+                           {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer)})
+        self.stopped.wait(TICK)
+        summaries = self.read_summaries()
+        if min(r for r, s in summaries.items() if s.get("waiting")) == self.rank:
+            line = verdict_line(summaries, self.peers, time.monotonic() - since, self.folder)
+            (self.folder / "verdict.txt").write_text(line + "\n")
+            print(f"{line}; --dist-timeout ends the wait", file=self.stream, flush=True)
+
+    def outside_view(self, peer: Peer) -> str:
+        seen = process_state(peer.pid)
+        stacks = self.folder / f"rank-{peer.rank}-{peer.host}.txt"
+        text = stacks.read_text() if stacks.exists() else ""
+        if "most recent call first" in text:  # faulthandler wrote them: a C call held its interpreter
+            seen += f", at {innermost_own_frame(faulthandler_frames(text), self.roots)} (faulthandler's stacks)"
+        return seen
+
+    def read_summaries(self) -> dict[int, dict]:
+        summaries = {}
+        for path in self.folder.glob("rank-*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                summary = json.loads(path.read_text())
+                summaries[int(summary["rank"])] = summary
+        return summaries
+
+
+def write_json(path: Path, value: dict) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(value))
+    os.replace(temporary, path)
+
+
+def remove_empty(hangs: Path) -> None:
+    """Empty stack files and folders under RUN_DIR/hangs: a run that ended (or was killed)
+    before it had anything to report."""
+    if not hangs.is_dir():
+        return
+    for folder in hangs.iterdir():
+        with contextlib.suppress(OSError):
+            for path in folder.glob("rank-*.txt"):
+                if path.stat().st_size == 0:
+                    path.unlink()
+            folder.rmdir()  # (only when empty)
+    with contextlib.suppress(OSError):
+        hangs.rmdir()
