@@ -13,7 +13,9 @@
 #              fast unit tests against each mutant, print the survivors and the score (docs/mutants.md)
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 #            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2"), WORKERS (pytest-xdist
-#            workers for `make test` and `make test-fast`, default auto: one per CPU, at most 8).
+#            workers for `make test` and `make test-fast`, default auto: one per CPU, at most 8),
+#            JUNIT (a path prefix: pytest's JUnit XML files, PREFIX-not-slurm.xml and PREFIX-slurm.xml
+#            for `make test`, PREFIX-fast.xml for `make test-fast`; benchmarks/figures.py tests reads them).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -49,11 +51,11 @@ test: $(VENV)/.installed-dev
 	./local-slurm.sh install
 	$(PY) -m ruff check .
 	$(PY) benchmarks/figures.py
-	$(PY) -m pytest $(XDIST) -m "not slurm" tests
-	$(PY) -m pytest -m slurm tests
+	$(PY) -m pytest $(XDIST) -m "not slurm" $(if $(JUNIT),--junitxml=$(JUNIT)-not-slurm.xml) tests
+	$(PY) -m pytest -m slurm $(if $(JUNIT),--junitxml=$(JUNIT)-slurm.xml) tests
 
 test-fast: $(VENV)/.installed-dev
-	$(PY) -m pytest $(XDIST) -m "not slurm and not slow" tests
+	$(PY) -m pytest $(XDIST) -m "not slurm and not slow" $(if $(JUNIT),--junitxml=$(JUNIT)-fast.xml) tests
 
 check-docs: $(VENV)/.installed
 	$(PY) benchmarks/figures.py

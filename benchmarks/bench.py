@@ -6,6 +6,7 @@
     python benchmarks/bench.py --quick              # a few steps of everything (smoke test)
     python benchmarks/bench.py --gpu                # one CUDA GPU: defaults, --amp --channels-last, --compile
     python benchmarks/bench.py --ranks              # test accuracy after 2 epochs on 1, 2, 4 and 8 ranks
+    python benchmarks/bench.py --step-times         # what the straggler figures cost a step, on 2 ranks
 
 It runs, one after another on the same machine:
   1. reference: the seeds' loop (torchvision dataset + DataLoader with ToTensor, the
@@ -33,6 +34,11 @@ With --ranks it trains 2 epochs under torchrun on 1, 2, 4 and 8 ranks (one threa
 all the cores for one) three ways: the default global batch of 128 split among the ranks,
 128 images per rank (weak scaling), and that with --lr raised by the square root of the
 global batch's growth; it writes the test accuracy of each to OUT/ranks.{json,md}.
+
+With --step-times it trains 1 epoch under torchrun on 2 ranks of one thread, the default global
+batch, with each rank's own time a step measured and agreed on (the straggler figures) and
+without (MNIST_DDP_STEP_TIMES=0), PAIRS times each, alternately, in one run; it writes the
+median training images/s of each and the cost a step to OUT/step-times.{json,md}.
 
 With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --amp
 --channels-last, and --compile, each to the end, and reports time to the target,
@@ -159,14 +165,15 @@ def script_env(threads: int) -> dict:
     return {**env, "OMP_NUM_THREADS": str(threads)}
 
 
-def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int) -> list[dict]:
-    """Run mnist_ddp.py (under torchrun when nproc > 1); return its metrics.jsonl records,
-    each with since_start_s, the seconds from process start to that epoch's line."""
+def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int, env: dict | None = None) -> list[dict]:
+    """Run mnist_ddp.py (under torchrun when nproc > 1), with `env` added to its environment;
+    return its metrics.jsonl records, each with since_start_s, the seconds from process
+    start to that epoch's line."""
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, str(SCRIPT)] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
-    seen = run_timed([*cmd, *args, "--run-dir", str(run_dir)], out / f"{name}.log", script_env(threads))
+    seen = run_timed([*cmd, *args, "--run-dir", str(run_dir)], out / f"{name}.log", {**script_env(threads), **(env or {})})
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in records:
         r["since_start_s"] = seen.get(r["epoch"])
@@ -269,6 +276,7 @@ def main() -> None:
                         help="most epochs of the reference loop; it stops at the first that reaches the target (default: %(default)s)")
     parser.add_argument("--gpu", action="store_true", help="mnist_ddp.py on one CUDA GPU: defaults, --amp --channels-last, --compile")
     parser.add_argument("--ranks", action="store_true", help="test accuracy after 2 epochs on 1, 2, 4 and 8 ranks")
+    parser.add_argument("--step-times", action="store_true", help="what the straggler figures cost a step, on 2 ranks")
     parser.add_argument("--quick", action="store_true", help="a few steps of everything: checks that the benchmark runs")
     parser.add_argument("worker", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--dataset", help=argparse.SUPPRESS)
@@ -305,6 +313,8 @@ def main() -> None:
         return gpu_benchmark(out, [*common, *quick], target, dataset, args.quick)
     if args.ranks:
         return ranks_benchmark(out, [*common, "--epochs", "2", *quick[:2]], dataset, args.quick)
+    if args.step_times:
+        return step_times_benchmark(out, [*common, "--epochs", "1", *quick[:2]], dataset, args.quick)
 
     # Stage the data through mnist_ddp.py, so that both loops read the same files.
     subprocess.run([sys.executable, str(SCRIPT), "--dataset", dataset, "--data-dir", str(data_dir), "--download-only"],
@@ -416,6 +426,38 @@ def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> 
         lines.append(f"| {way} | " + " | ".join(f"{100 * by_ranks[r]:.2f} %" for r in counts) + " |")
     (out / "ranks.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- the straggler figures' cost
+
+PAIRS = 4
+
+
+def step_times_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> None:
+    """2 ranks x 1 thread, with and without the straggler figures, alternately; each run's
+    images/s (its epoch's training images over its training time)."""
+    speeds = {"with": [], "without": []}
+    for pair in range(1 if quick else PAIRS):
+        for way, env in (("with", {}), ("without", {"MNIST_DDP_STEP_TIMES": "0"})):
+            records = run_script(out, f"step-times-{way}-{pair}", common, 2, 1, env)
+            speeds[way].append(records[-1]["images_per_s"])
+    batch = 128  # (the default global batch: images a step over both ranks)
+    median = {way: statistics.median(v) for way, v in speeds.items()}
+    ms = {way: 1000 * batch / median[way] for way in median}
+    results = {"machine": machine(), "dataset": dataset, "quick": quick, "images_per_s": speeds,
+               "median_images_per_s": median, "ms_per_step": ms, "cost_ms_per_step": ms["with"] - ms["without"],
+               "cost_ratio": ms["with"] / ms["without"]}
+    (out / "step-times.json").write_text(json.dumps(results, indent=2))
+    m = results["machine"]
+    text = (f"Data: {dataset}{' (quick run: not representative)' if quick else ''}, 1 epoch, 2 ranks x 1 thread, global "
+            f"batch 128, {len(speeds['with'])} runs each way, alternately. Machine: {m['cpu']}, {m['cores']} cores, no GPU; "
+            f"torch {m['torch']}.\n\n| straggler figures | images/s (median) | ms a step |\n|---|---|---|\n"
+            + "".join(f"| {way} | {median[way]:.0f} | {ms[way]:.2f} |\n" for way in median)
+            + f"\nCost: {results['cost_ms_per_step']:+.3f} ms a step ({100 * (results['cost_ratio'] - 1):+.1f} %); "
+              f"each run's images/s: with {', '.join(f'{v:.0f}' for v in speeds['with'])}; without "
+              f"{', '.join(f'{v:.0f}' for v in speeds['without'])}.\n")
+    (out / "step-times.md").write_text(text)
+    print(text)
 
 
 # ----------------------------------------------------------------------------- on a GPU

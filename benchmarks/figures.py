@@ -7,7 +7,8 @@
         python benchmarks/figures.py write --bench-out bench-out   # take a new benchmark's files first
     python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (under a minute)
     python benchmarks/figures.py sweep              # the README's sweep, its summary and the screenshots
-    python benchmarks/figures.py tests JUNIT.xml    # the suite's size and time, from pytest --junitxml
+    python benchmarks/figures.py tests P-not-slurm.xml P-slurm.xml --fast P-fast.xml
+                                  # the suite's size and time: make test JUNIT=P, make test-fast JUNIT=P
 
 A figure block in a page sits between `<!-- figures: NAME -->` and `<!-- /figures -->`;
 BLOCKS below says what writes each one, and every block of measured figures names the
@@ -15,11 +16,12 @@ machine and the date its file came from. mnist_ddp.py's manual (its docstring, w
 --help prints) has no markers: its "What it reaches" section is written whole, by
 manual_figures(). The output files (docs/figures/):
   bench.json, ranks.json   benchmarks/bench.py and bench.py --ranks (copied from bench-out/)
+  step-times.json          benchmarks/bench.py --step-times (copied from bench-out/ likewise)
   sample.json              `sample`: mnist_ddp.py's defaults on the bundled sample, seeds 0-2
   sweep.json, sweep-summary.txt, tensorboard-sh.txt, and docs/tensorboard-*.png
                            `sweep`: the README's sweep with `sweep.py run`, its summary, and
                            the real tensorboard.sh on it, photographed by headless Chromium
-  tests.json               `tests`: a run of the suite, `pytest tests --junitxml=FILE`
+  tests.json               `tests`: a run of the suite and one of its fast tier, their JUnit files
 """
 
 import argparse
@@ -179,13 +181,21 @@ def tensorboard_output() -> str:
 
 
 def test_times() -> str:
-    """README, Tests: the suite's size and time (the fast part's only when the file has it)."""
+    """README, Tests: the suite's size and time, and its fast tier's."""
     t = load("tests.json")
-    fast = (f"; {t['not_slurm_tests']} tests, about {t['not_slurm_seconds'] / 60:.0f} minutes of that"
-            if "not_slurm_tests" in t else "")
     return (f"`make test` runs everything on CPU with no network ({t['tests']} tests in {t['seconds'] / 60:.0f} minutes; "
-            f"{source(t['machine'])}); `python -m pytest -m \"not slurm\"` leaves out the tests that start a local Slurm, "
-            f"network namespaces or sshd (marked `slurm` in `tests/conftest.py`{fast}).")
+            f"{source(t['machine'])}); `make test-fast` runs the fast tier on every core, without the tests that start a "
+            f"local Slurm, network namespaces or sshd and the longer end-to-end runs (marked `slurm` and `slow` in "
+            f"`tests/conftest.py`): {t['fast_tests']} tests in {t['fast_seconds'] / 60:.1f} minutes, no root needed.")
+
+
+def step_times() -> str:
+    """docs/recovery.md, Which rank is slow: what the straggler figures cost a step."""
+    t = load("step-times.json")
+    ms, runs = t["ms_per_step"], len(t["images_per_s"]["with"])
+    return (f"{t['cost_ms_per_step']:+.3f} ms a step ({100 * (t['cost_ratio'] - 1):+.1f} %: {ms['with']:.2f} ms with them, "
+            f"{ms['without']:.2f} ms without, the median of {runs} runs of 1 epoch each way, alternately, on 2 ranks of one "
+            f"thread, {data_words(t['dataset'])}; `python benchmarks/bench.py --step-times`, {source(t['machine'])})")
 
 
 def manual_figures() -> str:
@@ -220,7 +230,7 @@ BLOCKS = {"benchmark-summary": benchmark_summary, "benchmark-table": benchmark_t
           "startup-line": startup_line, "sample-accuracy": sample_accuracy, "make-run": make_run_line,
           "sweep-summary": sweep_summary, "sweep-source": sweep_source, "hparams-columns": hparams_columns,
           "tensorboard-output": tensorboard_output, "test-times": test_times, "speed-ratio": speed_ratio,
-          "defaults-accuracy": defaults_accuracy}
+          "defaults-accuracy": defaults_accuracy, "step-times": step_times}
 
 
 def rewritten(text: str, page: Path) -> str:
@@ -266,9 +276,10 @@ def check() -> int:
 
 def write(bench_out: Path | None) -> int:
     if bench_out:
-        taken = [name for name in ("bench.json", "ranks.json") if (bench_out / name).exists()]
+        taken = [name for name in ("bench.json", "ranks.json", "step-times.json") if (bench_out / name).exists()]
         if not taken:
-            raise SystemExit(f"figures.py: {bench_out} holds neither bench.json nor ranks.json; run benchmarks/bench.py first")
+            raise SystemExit(f"figures.py: {bench_out} holds none of bench.json, ranks.json and step-times.json; run "
+                             "benchmarks/bench.py first")
         for name in taken:  # refused before anything is copied
             run = json.loads((bench_out / name).read_text())
             if run.get("quick") or (name == "bench.json" and not {"reference", "default"} <= run.keys()):
@@ -309,11 +320,11 @@ def measure_sample(seeds: list[int]) -> int:
     return 0
 
 
-def not_slurm_tests(files: list[str]) -> set[tuple[str, str]]:
-    """The tests of these files that `pytest -m "not slurm"` runs, as JUnit's (classname, name):
+def tier_tests(files: list[str], marker: str) -> set[tuple[str, str]]:
+    """The tests of these files that `pytest -m MARKER` runs, as JUnit's (classname, name):
     tests/conftest.py's own marking decides, not a copy of its rule."""
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                "-m", "not slurm", *files], cwd=ROOT, capture_output=True, text=True)
+                                "-m", marker, *files], cwd=ROOT, capture_output=True, text=True)
     if collected.returncode not in (0, 5):  # 5: every test deselected
         raise SystemExit(f"figures.py: pytest could not collect {' '.join(files)}:\n{collected.stdout}{collected.stderr}")
     ids = set()
@@ -323,22 +334,36 @@ def not_slurm_tests(files: list[str]) -> set[tuple[str, str]]:
     return ids
 
 
-def summarise_tests(junit: Path) -> int:
-    """The suite's size and time from pytest's JUnit XML."""
+def read_junit(junit: Path) -> tuple[list, float]:
+    """(the test cases, the run's time) of one pytest --junitxml file, which passed."""
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     cases = suite.findall("testcase")
     bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
     if bad:
         raise SystemExit(f"figures.py: {len(bad)} tests failed in {junit}; the figures come from a run that passed")
-    module_file = lambda case: "/".join(part for part in case.get("classname", "").split(".")
-                                        if not part[:1].isupper()) + ".py"  # (a class name is capitalised)
-    fast = not_slurm_tests(sorted({module_file(c) for c in cases}))
-    quick = [c for c in cases if (c.get("classname"), c.get("name")) in fast]
+    return cases, float(suite.get("time"))
+
+
+def case_file(case) -> str:
+    return "/".join(part for part in case.get("classname", "").split(".") if not part[:1].isupper()) + ".py"  # (a class name is capitalised)
+
+
+def summarise_tests(junits: list[Path], fast: Path) -> int:
+    """The suite's size and time from the JUnit XML files of one `make test` (its parts, run
+    one after the other), and the fast tier's from one `make test-fast`: a file that holds a
+    test outside the tier, or misses one, is refused."""
+    runs = [read_junit(junit) for junit in junits]
+    fast_cases, fast_seconds = read_junit(fast)
+    files = sorted({case_file(c) for cases, _ in runs for c in cases})
+    tier = tier_tests(files, "not slurm and not slow")
+    ran = {(c.get("classname"), c.get("name")) for c in fast_cases}
+    if ran != tier:
+        raise SystemExit(f"figures.py: {fast} is not a run of the fast tier (make test-fast): {len(ran - tier)} tests outside "
+                         f"it, {len(tier - ran)} of it missing")
     (FIGURES / "tests.json").write_text(json.dumps({
-        "machine": machine(), "tests": len(cases), "seconds": round(float(suite.get("time")), 1),
-        "not_slurm_tests": len(quick), "not_slurm_seconds": round(sum(float(c.get("time", 0)) for c in quick), 1)},
-        indent=2) + "\n")
+        "machine": machine(), "tests": sum(len(cases) for cases, _ in runs), "seconds": round(sum(t for _, t in runs), 1),
+        "fast_tests": len(fast_cases), "fast_seconds": round(fast_seconds, 1)}, indent=2) + "\n")
     print(f"wrote {(FIGURES / 'tests.json').relative_to(ROOT)}")
     return 0
 
@@ -425,7 +450,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
     parser.add_argument("command", nargs="?", default="check", choices=("check", "write", "sample", "sweep", "tests"))
-    parser.add_argument("junit", nargs="?", type=Path, help="tests: pytest's --junitxml file")
+    parser.add_argument("junit", nargs="*", type=Path, help="tests: the --junitxml files of one `make test` (make test JUNIT=PREFIX)")
+    parser.add_argument("--fast", type=Path, help="tests: the --junitxml file of one `make test-fast`")
     parser.add_argument("--bench-out", type=Path, help="write: take bench.json and ranks.json from this directory first")
     args = parser.parse_args()
     if args.command == "check":
@@ -436,9 +462,11 @@ def main() -> int:
         return measure_sample([0, 1, 2])
     if args.command == "sweep":
         return photograph_sweep()
-    if args.junit is None:
-        parser.error("tests needs the JUnit XML file: pytest tests --junitxml=FILE")
-    return summarise_tests(args.junit)
+    if not args.junit or not args.fast:
+        parser.error("tests needs the JUnit XML files of make test and make test-fast: make test JUNIT=/tmp/suite && "
+                     "make test-fast JUNIT=/tmp/suite, then: tests /tmp/suite-not-slurm.xml /tmp/suite-slurm.xml "
+                     "--fast /tmp/suite-fast.xml")
+    return summarise_tests(args.junit, args.fast)
 
 
 if __name__ == "__main__":

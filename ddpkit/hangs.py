@@ -177,6 +177,7 @@ class HangWatch:
         self.thread = threading.Thread(target=self.watch, name="hang-watch", daemon=True)
 
     def start(self) -> "HangWatch":
+        self.arm_faulthandler()  # (from here: a lock held before the thread's first look is caught too)
         self.thread.start()
         return self
 
@@ -192,16 +193,11 @@ class HangWatch:
         remove_empty(self.folder.parent)
 
     def watch(self) -> None:
-        armed = False
         while not self.stopped.wait(TICK):
+            self.arm_faulthandler()
             now = _waiting[0]
             if now is None:  # its own work (evaluation, a save): not watched
-                if armed:
-                    faulthandler.cancel_dump_traceback_later()
-                    armed = False
                 continue
-            self.arm_faulthandler()
-            armed = True
             what, since, training_step = now
             waited = time.monotonic() - since
             if waited >= self.hang_after and self.reported is not now:
@@ -212,8 +208,9 @@ class HangWatch:
                     print(f"hang report of rank {self.rank} failed: {err}", file=self.stream, flush=True)
 
     def arm_faulthandler(self) -> None:
-        """Should this thread stop (a C call holding the interpreter's lock), faulthandler
-        writes the stacks a little after this thread would have."""
+        """Should this thread stop looking for --hang-after seconds and more (a C call holds the
+        interpreter's lock, in a step or anywhere), faulthandler writes the stacks from C. While
+        the thread looks, every TICK, it never comes to that."""
         if self.file is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.file = open(self.stacks, "a")
@@ -236,24 +233,35 @@ class HangWatch:
         write_json(self.folder / f"rank-{self.rank}.json", summary)
         if not waits:
             return
-        self.stopped.wait(GRACE)
+        if self.stopped.wait(GRACE):  # (the run ended meanwhile)
+            return
         summaries = self.read_summaries()
-        for peer in self.peers:  # a rank of this host that wrote nothing: look at it from outside
-            if peer.rank not in summaries and peer.host == self.host:
-                write_json(self.folder / f"rank-{peer.rank}.json",
-                           {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer)})
-        self.stopped.wait(TICK)
+        silent = [peer for peer in self.peers if peer.rank not in summaries and peer.host == self.host]
+        for _ in range(3):  # a rank whose lock is held: its faulthandler writes a little later
+            if all(self.stacks_of(peer) for peer in silent) or self.stopped.wait(TICK):
+                break
+        for peer in silent:  # a rank of this host that wrote nothing: look at it from outside
+            write_json(self.folder / f"rank-{peer.rank}.json",
+                       {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer)})
+        if self.stopped.wait(TICK):
+            return
         summaries = self.read_summaries()
         if min(r for r, s in summaries.items() if s.get("waiting")) == self.rank:
             line = verdict_line(summaries, self.peers, time.monotonic() - since, self.folder)
             (self.folder / "verdict.txt").write_text(line + "\n")
             print(f"{line}; --dist-timeout ends the wait", file=self.stream, flush=True)
 
+    def stacks_of(self, peer: Peer) -> str:
+        """A peer's stacks as faulthandler wrote them, or ""."""
+        with contextlib.suppress(OSError):
+            text = (self.folder / f"rank-{peer.rank}-{peer.host}.txt").read_text()
+            return text if "most recent call first" in text else ""
+        return ""
+
     def outside_view(self, peer: Peer) -> str:
         seen = process_state(peer.pid)
-        stacks = self.folder / f"rank-{peer.rank}-{peer.host}.txt"
-        text = stacks.read_text() if stacks.exists() else ""
-        if "most recent call first" in text:  # faulthandler wrote them: a C call held its interpreter
+        text = self.stacks_of(peer)
+        if text:  # faulthandler wrote them: a C call held its interpreter
             seen += f", at {innermost_own_frame(faulthandler_frames(text), self.roots)} (faulthandler's stacks)"
         return seen
 

@@ -42,15 +42,18 @@ class StepProfiler:
             return True
         return False
 
-    def step_done(self, step: int, agreed_request: bool) -> None:
+    def step_done(self, step: int, agreed_request: bool) -> bool:
         """After step `step`: start a profile that is due (--profile, or a request every rank
-        agreed on), or end one that has recorded its steps."""
+        agreed on), or end one that has recorded its steps. Returns whether a request is
+        still to be served (one that came while a profile recorded waits for its end)."""
         if self.profiler is not None:
             if step >= self.until:
                 self.finish(step)
-            return
+            return agreed_request
         if step == self.start_at or agreed_request:
             self.start(step, self.steps if step == self.start_at else (self.steps or ON_REQUEST))
+            return False
+        return False
 
     def finish_early(self, step: int) -> None:
         """The run ends while a profile records: it ends here."""

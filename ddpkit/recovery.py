@@ -55,9 +55,10 @@ class AgreementBuffers:
     copy of the result and the event after which it holds it."""
 
     def __init__(self, device: torch.device, world_size: int = 1, rank: int = 0):
+        """world_size: the time slots, one per rank (0: the times are not agreed on)."""
         self.flags = torch.zeros(4 + world_size, device=device)
         self.host_flags, self.loss, self.step_ms = self.flags[:3], self.flags[3], self.flags[4:]  # views
-        self.mine = self.step_ms[rank]
+        self.mine = self.step_ms[rank] if world_size else None
         on_gpu = device.type == "cuda"
         self.result = torch.zeros(4 + world_size, pin_memory=True) if on_gpu else self.flags
         self.copied = torch.cuda.Event() if on_gpu else None

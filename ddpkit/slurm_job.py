@@ -672,6 +672,15 @@ def task(argv: List[str]) -> None:
     os.execv(sys.executable, [sys.executable] + args)
 
 
+def flight_recorder(run_dir: str) -> Dict[str, str]:
+    """NCCL's Flight Recorder: on a collective's timeout every NCCL rank dumps its last
+    collectives to RUN_DIR/hangs/nccl-trace-rank-<r>, beside the hang report's stacks (the
+    folder exists once the hang watch has started, after the first step). Gloo ignores it.
+    Not run here: no GPU (docs/recovery.md says how to read the dumps)."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(run_dir, "hangs", "nccl-trace-rank-")}
+
+
 # ----------------------------------------------------------------------------- the job
 
 def now() -> str:
@@ -695,6 +704,8 @@ class Supervisor:
             env["SRUN_CPUS_PER_TASK"] = env["SLURM_CPUS_PER_TASK"]
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or env.get("SLURM_CPUS_PER_TASK") or "1"
         env["MASTER_ADDR"], env["MASTER_PORT"] = master_address(env), str(s.master_port)
+        for name, value in flight_recorder(s.run_dir).items():
+            env.setdefault(name, value)  # (yours win)
         print(f"START {now()} job={env['SLURM_JOB_ID']} restart={env.get('SLURM_RESTART_COUNT', '0')} "
               f"nodes={env.get('SLURM_JOB_NODELIST', '')} tasks={s.ntasks} launcher={s.launcher} "
               f"master={env['MASTER_ADDR']}:{s.master_port} threads={env['OMP_NUM_THREADS']} run={s.run_dir}", flush=True)

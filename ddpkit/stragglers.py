@@ -35,6 +35,10 @@ class StepTimer:
     def step_ended(self) -> None:
         self.began = time.perf_counter()
 
+    def pause(self) -> None:
+        """Until the next step_ended: not a step's time (a save, an evaluation's forward passes)."""
+        self.began = None
+
     def window_ms(self) -> float | None:
         """This window's mean ms per step, and a new window begins; None if it timed no step."""
         if not self.steps:

@@ -9,6 +9,7 @@ in the same order: the calls that talk to the other ranks are among them.
 jobs.Job.start_run makes one (new_run); a loss or weights that are not finite end it with
 launch.Diverged, raised from these calls; the loop itself ends a stop with launch.Stopped."""
 
+import ctypes
 import os
 import signal
 import time
@@ -74,18 +75,21 @@ class TrainingRun:
         # total_steps); the step count goes on from the checkpoint's.
         self.schedule_offset, self.total_steps, self.logger = schedule_offset, total_steps, logger
         self.clock, self.pending = CheckpointClock(options.ckpt_minutes), None
-        self.agreement = AgreementBuffers(rt.device, rt.world_size, rt.rank)
+        # What each rank's own part of a step takes (several ranks; not under --compile, whose
+        # graph would take in the timer's forward hook; MNIST_DDP_STEP_TIMES=0, for the
+        # benchmark of their cost, turns them off), rank 0's judgement of it, and a profile
+        # when --profile or RUN_DIR/profile-now asks for one.
+        timed = rt.world_size > 1 and not options.compile and os.environ.get("MNIST_DDP_STEP_TIMES") != "0"
+        model = state.get("model") if timed else None
+        self.timer = StepTimer(model if isinstance(model, torch.nn.Module) else None)
+        self.agreement = AgreementBuffers(rt.device, rt.world_size if self.timer.hook else 0, rt.rank)
         self.earlier, self.stopping = Verdict(), False  # the previous step's agreement; a stop every rank agreed on
+        self.profile_asked = False  # a profile every rank agreed on, to start at the next step's end
         self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
         self.epoch_started, self.trained = time.perf_counter(), 0
         self.startup = startup  # printed as `ready in ...` when the first step is about to run
         self.estimate_due = time_limit  # rank 0's watch on the job's end, until it said whether the run fits
         self.epoch_first_step = self.started_at = progress.step
-        # What each rank's own part of a step takes (several ranks), rank 0's judgement of it,
-        # and a profile when --profile or RUN_DIR/profile-now asks for one.
-        # (Not under --compile: the timer's forward hook would be compiled into the graph.)
-        model = state.get("model") if rt.world_size > 1 and not options.compile else None
-        self.timer = StepTimer(model if isinstance(model, torch.nn.Module) else None)
         self.stragglers = Stragglers(hosts or []) if rt.is_main and self.timer.hook else None
         self.profiler = StepProfiler(run_dir, rt.rank, rt.is_main, rt.device, options.profile, progress.step)
 
@@ -132,12 +136,13 @@ class TrainingRun:
         self.earlier = read_agreement(self.pending) if self.pending else Verdict()
         self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement, profile, step_ms)
         self.stopping = self.stopping or self.earlier.stopping
+        self.profile_asked = self.profile_asked or self.earlier.profile
         if self.earlier.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite", progress.step - 1)
         self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
         if self.earlier.step_ms and self.stragglers:
             self.judge_speed(self.earlier.step_ms)
-        self.profiler.step_done(progress.step, self.earlier.profile)
+        self.profile_asked = self.profiler.step_done(progress.step, self.profile_asked)
         hangs.next_step(progress.step, GRADIENT_ALL_REDUCE)
 
     def checkpoint_due(self) -> bool:
@@ -156,6 +161,7 @@ class TrainingRun:
         agreement is waited for first: a loss that is not finite is never saved, and a stop
         asked for during the step stops at this checkpoint."""
         hangs.waiting_in(None)  # its own work; the collectives inside are watched
+        self.timer.pause()
         if self.pending:  # saving waits for the step anyway
             self.this_step()
         if not weights_are_finite(self.state):
@@ -187,6 +193,7 @@ class TrainingRun:
         among them) goes into the record as test_<name>."""
         rt, progress = self.rt, self.progress
         hangs.waiting_in(None)  # its own work; the collectives inside are watched
+        self.timer.pause()  # (its forward passes are not steps)
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         train_seconds = time.perf_counter() - self.epoch_started
@@ -263,6 +270,7 @@ class TrainingRun:
         if now.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite")
         self.stopping = self.stopping or now.stopping
+        self.profile_asked = self.profile_asked or now.profile
         return now
 
     def diverged(self, what: str, step: int | None = None) -> Diverged:
@@ -286,7 +294,8 @@ class InterruptingRun(TrainingRun):
 class TroubledRun(TrainingRun):
     """Testing aids for the hang report and the straggler line, set by environment variables
     that users never see (not options): MNIST_DDP_TEST_HANG=R:N, rank R hangs in Python when
-    step N ends; MNIST_DDP_TEST_SLOW=R:S, rank R sleeps S seconds before each forward pass."""
+    step N ends (R:N:gil, in a C call that holds the interpreter's lock); MNIST_DDP_TEST_SLOW=R:S,
+    rank R sleeps S seconds before each forward pass."""
 
     def __init__(self, **fields):
         super().__init__(**fields)
@@ -296,9 +305,11 @@ class TroubledRun(TrainingRun):
             self.state["model"].register_forward_pre_hook(lambda *_: time.sleep(seconds))
 
     def step_done(self, loss: torch.Tensor, images: int) -> None:
-        hang = os.environ.get("MNIST_DDP_TEST_HANG", "")
-        if hang and hang == f"{self.rt.rank}:{self.progress.step + 1}":
-            time.sleep(3600)  # (until the test, or the launcher after --dist-timeout, ends it)
+        rank, step, *how = os.environ.get("MNIST_DDP_TEST_HANG", "-1:0").split(":")
+        if (int(rank), int(step)) == (self.rt.rank, self.progress.step + 1):  # (until the test, or the launcher, ends it)
+            if how == ["gil"]:  # a C call that keeps the interpreter's lock: no Python thread runs
+                ctypes.PyDLL(None).sleep(3600)
+            time.sleep(3600)
         super().step_done(loss, images)
 
 

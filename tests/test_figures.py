@@ -163,21 +163,30 @@ def test_every_block_of_measured_figures_names_its_machine_and_date():
 
 # ----------------------------------------------------------------------------- the suite's figures
 
-def test_the_fast_part_of_the_suite_is_what_the_slurm_marker_leaves(tmp_path):
-    """`figures.py tests` counts as fast what `pytest -m "not slurm"` runs: conftest's marker,
-    which also marks the tests of other files that start a local Slurm (their fixture)."""
+def junit_file(path: Path, seconds: float, cases: list[tuple[str, str]]) -> str:
+    path.write_text(f'<testsuites><testsuite name="pytest" time="{seconds}">' + "".join(
+        f'<testcase classname="{module}" name="{name}" time="1.0"/>' for module, name in cases) + "</testsuite></testsuites>")
+    return str(path)
+
+
+def test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier(tmp_path):
+    """`figures.py tests` adds up make test's parts, and takes the fast tier's figure only from
+    a run that holds exactly the tests conftest's markers leave in it (neither slurm, by
+    fixture or by file, nor slow)."""
     copy = whole_copy(tmp_path)
-    cases = [("tests.test_recovery", "test_checkpoint_clock_with_a_fake_clock", 1.5),          # fast
-             ("tests.test_recovery", "test_a_crash_loop_gives_up_after_max_restarts", 60.0),   # the one_node fixture
-             ("tests.test_slurm", "test_two_tasks_on_one_node", 30.0)]                        # a file of Slurm tests
-    junit = tmp_path / "junit.xml"
-    junit.write_text('<testsuites><testsuite name="pytest" time="91.5">' + "".join(
-        f'<testcase classname="{module}" name="{name}" time="{seconds}"/>' for module, name, seconds in cases)
-        + "</testsuite></testsuites>")
-    result = figures("tests", str(junit), root=copy)
+    fast = [("tests.test_recovery", "test_checkpoint_clock_with_a_fake_clock")]
+    slow = [("tests.test_hangs", "test_touching_profile_now_profiles_the_next_steps_of_a_running_run")]
+    slurm = [("tests.test_recovery", "test_a_crash_loop_gives_up_after_max_restarts"),    # the one_node fixture
+             ("tests.test_slurm", "test_two_tasks_on_one_node")]                          # a file of Slurm tests
+    parts = [junit_file(tmp_path / "a.xml", 91.5, fast + slow), junit_file(tmp_path / "b.xml", 300.0, slurm)]
+    result = figures("tests", *parts, "--fast", junit_file(tmp_path / "f.xml", 12.5, fast + slow), root=copy)
+    assert result.returncode == 1 and "is not a run of the fast tier (make test-fast): 1 tests outside it, 0 of it missing" \
+        in result.stdout + result.stderr
+    result = figures("tests", *parts, "--fast", junit_file(tmp_path / "f.xml", 12.5, fast), root=copy)
     assert result.returncode == 0, result.stdout + result.stderr
     written = json.loads((copy / "docs" / "figures" / "tests.json").read_text())
-    assert (written["tests"], written["not_slurm_tests"], written["not_slurm_seconds"]) == (3, 1, 1.5)
+    assert {k: v for k, v in written.items() if k != "machine"} == \
+        {"tests": 4, "seconds": 391.5, "fast_tests": 1, "fast_seconds": 12.5}
 
 
 # ----------------------------------------------------------------------------- claims the pages make

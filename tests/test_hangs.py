@@ -66,6 +66,24 @@ def test_a_rank_hung_in_python_is_named_with_its_host_and_line_and_the_run_then_
     assert [r["epoch"] for r in read_results(tmp_path / "run")] == [1, 2, 3, 4]
 
 
+def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_faulthandler_stacks(tiny_folder, tmp_path):
+    """Rank 1 hangs in a C call that keeps Python's lock (a test-only hook): its watchdog thread
+    cannot run, but faulthandler, armed from it, writes its stacks from C, and rank 0's line
+    names where it is from them."""
+    args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "4", "--dist-timeout", "30", "--hang-after", "5",
+            "--run-dir", "run"]
+    procs = run_as_srun(2, args, cwd=tmp_path, job_id="", detach=True, env={"MNIST_DDP_TEST_HANG": "1:7:gil"})
+    try:
+        _, err = procs[0].communicate(timeout=150)
+    finally:
+        procs[1].kill()
+    procs[1].communicate()
+    verdict = re.search(r"^hang after step \d+: rank 1 on \S+ is alive but silent \(state S, [^)]*\), at "
+                        r"ddpkit/training_run\.py:\d+ in step_done \(faulthandler's stacks\); rank\(s\) 0 wait", err, re.M)
+    assert verdict and procs[0].returncode == EXIT_LOST_PEER, err[-3000:]
+    print(verdict.group(0))
+
+
 def test_a_stopped_or_gone_process_is_named_from_outside():
     """What a rank's peer on the same host reads in /proc: a real stopped process, a live one
     and one that has exited."""

@@ -98,6 +98,13 @@ def test_parse_options_returns_the_recipe_and_run_options():
     # check_run_options
     (["--dist-timeout", "5"], "--dist-timeout must be from 10 to 604800 seconds (a week), got 5"),
     (["--dist-timeout", "nan"], "--dist-timeout must be a positive number of seconds, got nan"),
+    (["--hang-after", "3"], "--hang-after must be 0 (a fifth of --dist-timeout), -1 (never) or from 5 s to below "
+                            "--dist-timeout (300 s), got 3"),
+    (["--hang-after", "30", "--dist-timeout", "30"], "--hang-after must be 0 (a fifth of --dist-timeout), -1 (never) or "
+                                                     "from 5 s to below --dist-timeout (30 s), got 30"),
+    (["--hang-after", "nan"], "--hang-after must be 0 (a fifth of --dist-timeout), -1 (never) or from 5 s to below "
+                              "--dist-timeout (300 s), got nan"),
+    (["--profile", "-1"], "--profile must be 0 (on request only) or a number of steps, got -1"),
     (["--data-workers", "-1"], "--data-workers must be 0 (read in the training process) or more, got -1"),
     (["--run-name", "a/b"], "--run-name must be one directory name of letters, digits and ._-+=,@ (no / or spaces, not . or ..), "
                             "got 'a/b'"),

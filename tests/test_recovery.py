@@ -260,16 +260,33 @@ def test_a_rank_killed_twice_heals_within_the_job_bit_identically(one_node, tmp_
     assert tensorboard_steps(run_dir, "test/accuracy") == list(range(32, 257, 32))
 
 
-def test_a_hung_rank_is_detected_after_the_timeout_and_the_job_heals(one_node, tmp_path):
-    """SIGSTOP freezes rank 1 mid-training: rank 0 gives up on it after --dist-timeout 20
-    with the lost-peer code, and the restarted step completes."""
+def test_a_hung_rank_is_named_from_outside_before_the_timeout_and_the_job_heals(one_node, tmp_path):
+    """SIGSTOP freezes rank 1 mid-training: after --hang-after (its default: 10 s at
+    --dist-timeout 20) rank 0 names it, stopped, from /proc, with its host, and keeps both
+    ranks' stacks (rank 1's from faulthandler, or none: it is stopped); rank 0 gives up on it
+    after --dist-timeout with the lost-peer code, and the restarted step completes. The ranks
+    were given NCCL's Flight Recorder settings, which a Gloo run ignores."""
     client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
                              [*FAST, "--dist-timeout", "20"], RUN_NAME="frozen")
     wait_for(tmp_path, r"^0: epoch   1 \|")
+    environ = (Path("/proc") / str(rank_pids("frozen", 1)[0]) / "environ").read_bytes().split(b"\0")
     stopped = signal_rank("frozen", 1, signal.SIGSTOP)
+    named = wait_for(tmp_path, r"^0: hang after step \d+: rank 1 on ")
     noticed = wait_for(tmp_path, r"error: lost contact with another rank during .*(Timed out|timeout)")
-    print(f"\nhang (SIGSTOP) detected after {noticed - stopped:.1f} s at --dist-timeout 20")
+    print(f"\nhang (SIGSTOP) named after {named - stopped:.1f} s, given up on after {noticed - stopped:.1f} s at "
+          "--dist-timeout 20")
     _, out = finish(client, tmp_path)
+    verdict = re.search(r"^0: (hang after step \d+: rank 1 on (\S+) is stopped \(state T, stopped: SIGSTOP or a debugger"
+                        r".*\); rank\(s\) 0 wait for it in .* for \d+ s; every rank's stacks: (\S+)); --dist-timeout "
+                        r"ends the wait$", out, re.M)
+    assert verdict and re.search(rf"^1: \[rank 1/2\] {re.escape(verdict.group(2))} cpu gloo", out, re.M), out[-3000:]
+    print(verdict.group(1))
+    assert (Path(verdict.group(3)) / "verdict.txt").read_text() == verdict.group(1) + "\n"
+    assert "(most recent call first)" in next(Path(verdict.group(3)).glob("rank-0-*.txt")).read_text()
+    assert out.index(verdict.group(0)) < out.index("error: lost contact with another rank")
+    run_dir = tmp_path / "runs" / "frozen"
+    assert f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={run_dir}/hangs/nccl-trace-rank-".encode() in environ
+    assert b"TORCH_NCCL_DUMP_ON_TIMEOUT=1" in environ
     assert re.search(r"^ATTEMPT 2/4 after exit \d+ ", out, re.M)
     assert re.search(r"^0: resumed from .*\(attempt 2/4", out, re.M)
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "frozen")] == list(range(1, 9))
