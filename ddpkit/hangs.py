@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KIT = Path(__file__).resolve().parent   # ddpkit/
-GRACE = 3.0     # seconds a waiting rank gives the others to write their summaries
+GRACE = 2.0     # seconds a waiting rank gives the others to write their summaries
 TICK = 1.0      # seconds between the watchdog's looks
 # Where a rank that is inside torch's collectives or its backward pass waits: it has
 # reached the collective (DDP's gradient all-reduce runs inside backward()).
@@ -237,8 +237,9 @@ class HangWatch:
             return
         summaries = self.read_summaries()
         silent = [peer for peer in self.peers if peer.rank not in summaries and peer.host == self.host]
-        for _ in range(3):  # a rank whose lock is held: its faulthandler writes a little later
-            if all(self.stacks_of(peer) for peer in silent) or self.stopped.wait(TICK):
+        alive = [peer for peer in silent if process_state(peer.pid).startswith("alive")]
+        for _ in range(3):  # a live rank whose lock is held: its faulthandler writes a little later
+            if all(self.stacks_of(peer) for peer in alive) or self.stopped.wait(TICK):
                 break
         for peer in silent:  # a rank of this host that wrote nothing: look at it from outside
             write_json(self.folder / f"rank-{peer.rank}.json",

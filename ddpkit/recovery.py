@@ -61,6 +61,7 @@ class AgreementBuffers:
         self.mine = self.step_ms[rank] if world_size else None
         on_gpu = device.type == "cuda"
         self.result = torch.zeros(4 + world_size, pin_memory=True) if on_gpu else self.flags
+        self.result_flags = self.result[:4]  # (a view made once: a step makes no slice of its own)
         self.copied = torch.cuda.Event() if on_gpu else None
         self.host_flags_set = False  # whether host_flags may hold more than zeros (written here, or summed)
         self.step_ms_set = False     # likewise the time slots
@@ -123,7 +124,7 @@ def read_agreement(pending: PendingAgreement) -> Verdict:
     if buffers.step_ms_set:
         stopping, ckpt_due, profile, loss, *step_ms = buffers.result.tolist()
     else:
-        stopping, ckpt_due, profile, loss = buffers.result[:4].tolist()
+        stopping, ckpt_due, profile, loss = buffers.result_flags.tolist()
         step_ms = ()
     buffers.host_flags_set = buffers.host_flags_set or stopping > 0 or ckpt_due > 0 or profile > 0
     return Verdict(stopping > 0, not math.isfinite(loss), ckpt_due > 0, profile > 0, tuple(step_ms))
