@@ -190,12 +190,16 @@ def test_times() -> str:
 
 
 def step_times() -> str:
-    """docs/recovery.md, Which rank is slow: what the straggler figures cost a step."""
+    """docs/recovery.md, Which rank is slow: what the straggler figures cost a step, and the
+    spread of the runs, which says whether the difference is more than noise."""
     t = load("step-times.json")
     ms, runs = t["ms_per_step"], len(t["images_per_s"]["with"])
-    return (f"{t['cost_ms_per_step']:+.3f} ms a step ({100 * (t['cost_ratio'] - 1):+.1f} %: {ms['with']:.2f} ms with them, "
-            f"{ms['without']:.2f} ms without, the median of {runs} runs of 1 epoch each way, alternately, on 2 ranks of one "
-            f"thread, {data_words(t['dataset'])}; `python benchmarks/bench.py --step-times`, {source(t['machine'])})")
+    spread = {way: sorted(128_000 / v for v in speeds) for way, speeds in t["images_per_s"].items()}
+    return (f"{t['cost_ms_per_step']:+.3f} ms a step ({100 * (t['cost_ratio'] - 1):+.1f} %): {ms['with']:.2f} ms with them, "
+            f"{ms['without']:.2f} ms without, the medians of {runs} runs of 1 epoch each way, alternately, the runs "
+            f"themselves spread over ({spread['with'][0]:.1f}-{spread['with'][-1]:.1f} ms and {spread['without'][0]:.1f}-"
+            f"{spread['without'][-1]:.1f} ms a step), on 2 ranks of one thread, {data_words(t['dataset'])} "
+            f"(`python benchmarks/bench.py --step-times`, {source(t['machine'])})")
 
 
 def manual_figures() -> str:
