@@ -8,6 +8,9 @@ data, the model or the training step; mnist_ddp.py holds those.
   imagesets.py     a data set's splits held in memory or streamed by a DataLoader; image folders
   checkpoints.py   atomic saves, Progress, rotation, choosing and loading the checkpoint to resume
   recovery.py      the ranks' per-step agreement; lost peers and storage problems told apart
+  hangs.py         a hang in one line: each rank's watchdog, its stacks, ranks seen from /proc (standard library only)
+  stragglers.py    each rank's own time a step, and rank 0's judgement of which rank is slow
+  profiling.py     --profile and RUN_DIR/profile-now: torch.profiler traces of every rank, the top operators
   time_limit.py    the job's end: the stop --stop-before it, whether the run fits (standard library only)
   doctor.py        --check: every rank joins and is described, a known-answer and a timed all-reduce
   rundir.py        the run's directory, held for as long as the run lives
@@ -15,4 +18,6 @@ data, the model or the training step; mnist_ddp.py holds those.
   training_run.py  TrainingRun: what happens around each step and epoch (checkpoints, stops, logs)
   jobs.py          the job runner: start-up, the run's start, every ending as an exit code, teardown
   sweeplines.py    a sweep file's lines and run names, for sweep.py and run_training.sbatch (Python 3.6, standard library)
+  slurm_job.py     the Slurm job's supervisor after run_training.sbatch: settings, the code's copy, the step,
+                   restarts, the requeue, the line that continues (Python 3.6, standard library)
 """

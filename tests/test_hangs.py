@@ -28,6 +28,18 @@ from ddpkit.launch import EXIT_LOST_PEER
 HOST = socket.gethostname()
 
 
+def run_with_rank_1_hung(args: list[str], cwd: Path, how: str) -> tuple[int, str]:
+    """Two srun-style ranks with rank 1 hung as step 7 ends (MNIST_DDP_TEST_HANG=1:7<how>):
+    rank 0's exit code and stderr, once it gave up; then rank 1 is killed, as srun would."""
+    procs = run_as_srun(2, args, cwd=cwd, job_id="", detach=True, env={"MNIST_DDP_TEST_HANG": "1:7" + how})
+    try:
+        _, err = procs[0].communicate(timeout=150)
+    finally:
+        procs[1].kill()
+    procs[1].communicate()
+    return procs[0].returncode, err
+
+
 def test_a_rank_hung_in_python_is_named_with_its_host_and_line_and_the_run_then_goes_on(tiny_folder, tmp_path):
     """Rank 1 hangs in Python as step 7 ends (a test-only hook). Before --dist-timeout (40 s),
     one line on rank 0 names rank 1, its host, the file and line it is at, and the collective
@@ -35,13 +47,8 @@ def test_a_rank_hung_in_python_is_named_with_its_host_and_line_and_the_run_then_
     peer's code, and the same command continues from the newest checkpoint to the end."""
     args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "4", "--ckpt-every", "2", "--dist-timeout", "40",
             "--hang-after", "5", "--run-dir", "run"]
-    procs = run_as_srun(2, args, cwd=tmp_path, job_id="", detach=True, env={"MNIST_DDP_TEST_HANG": "1:7"})
-    try:
-        out, err = procs[0].communicate(timeout=150)
-    finally:
-        procs[1].kill()
-    procs[1].communicate()
-    assert procs[0].returncode == EXIT_LOST_PEER, err[-3000:]
+    code, err = run_with_rank_1_hung(args, tmp_path, "")
+    assert code == EXIT_LOST_PEER, err[-3000:]
     verdict = re.search(r"^hang after step (\d+): rank 1 on (\S+) is at ddpkit/training_run\.py:\d+ in step_done; "
                         r"rank\(s\) 0 wait for it in the gradient all-reduce of a training step for (\d+) s; every "
                         r"rank's stacks: (\S+); --dist-timeout ends the wait$", err, re.M)
@@ -72,15 +79,10 @@ def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_f
     names where it is from them."""
     args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "4", "--dist-timeout", "30", "--hang-after", "5",
             "--run-dir", "run"]
-    procs = run_as_srun(2, args, cwd=tmp_path, job_id="", detach=True, env={"MNIST_DDP_TEST_HANG": "1:7:gil"})
-    try:
-        _, err = procs[0].communicate(timeout=150)
-    finally:
-        procs[1].kill()
-    procs[1].communicate()
+    code, err = run_with_rank_1_hung(args, tmp_path, ":gil")
     verdict = re.search(r"^hang after step \d+: rank 1 on \S+ is alive but silent \(state S, [^)]*\), at "
                         r"ddpkit/training_run\.py:\d+ in step_done \(faulthandler's stacks\); rank\(s\) 0 wait", err, re.M)
-    assert verdict and procs[0].returncode == EXIT_LOST_PEER, err[-3000:]
+    assert verdict and code == EXIT_LOST_PEER, err[-3000:]
     print(verdict.group(0))
 
 
