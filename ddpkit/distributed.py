@@ -244,7 +244,7 @@ def collective(what: str):
     """Label the collectives inside: an error raised there carries `what` as its
     `collective` attribute (the innermost label wins), which recovery.lost_peer_message names;
     a wait there longer than --hang-after is reported by `what` (hangs.py)."""
-    before = hangs.waiting_in(what)
+    before = hangs.doing(what)
     try:
         yield
     except Exception as err:

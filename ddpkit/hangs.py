@@ -1,18 +1,20 @@
 """Hang reports: where each rank is when the ranks stop moving together, in one line, with
 every rank's stacks kept.
 
-Each rank marks what it is doing that waits on the others (`waiting_in`): a training step,
-whose gradient all-reduce waits for every rank, or a labelled collective (distributed.py's
-`collective`). Its own watchdog thread (HangWatch) sees when one of these has lasted longer
-than --hang-after seconds, well before --dist-timeout ends it. The rank then writes every
-thread's stack to RUN_DIR/hangs/<attempt>/rank-<r>-<host>.txt and a summary beside it:
-its innermost frame in the recipe or ddpkit, and the collective it waits in, if any. A
-rank that waits reads the others' summaries a few seconds later; for a rank that wrote
-none, a waiting rank on the same host reads /proc: stopped (state T), in uninterruptible
-I/O (state D), or gone. The lowest waiting rank prints the verdict in one line. A C call
-that holds the interpreter's lock stops the watchdog thread too: faulthandler, armed a
-little later than the watchdog, then writes that rank's stacks from C. Healing is as
-before: --dist-timeout ends the wait, and the job starts again from its newest checkpoint.
+Each rank marks what it does that the others may wait on (`doing`): a training step, whose
+gradient all-reduce waits for every rank; a labelled collective (distributed.py's
+`collective`); its own work (a save, an evaluation). Its own watchdog thread (HangWatch)
+sees when one of these has lasted longer than --hang-after seconds, well before
+--dist-timeout ends it. A rank that waits then writes every thread's stack to
+RUN_DIR/hangs/<attempt>/rank-<r>-<host>.txt and a summary beside it: its innermost frame in
+the recipe or ddpkit, and the collective it waits in; a rank busy with its own work does
+the same once another rank waits. The waiting ranks read the others' summaries a few
+seconds later; for a rank that wrote none, a waiting rank on the same host reads /proc:
+stopped (state T), in uninterruptible I/O (state D), or gone. The lowest waiting rank
+prints the verdict in one line. A C call that holds the interpreter's lock stops the
+watchdog thread too: faulthandler, armed by it at every look, then writes that rank's
+stacks from C. Healing is as before: --dist-timeout ends the wait, and the job starts
+again from its newest checkpoint.
 
 Standard library only: distributed.py marks its collectives here."""
 
@@ -23,50 +25,47 @@ import os
 import re
 import socket
 import sys
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 KIT = Path(__file__).resolve().parent   # ddpkit/
+PYTHON_LIBRARY = Path(sysconfig.get_paths()["stdlib"]).resolve()
+SLACK = 2.0     # seconds between hosts' clocks that a summary's time may be off by
 GRACE = 2.0     # seconds a waiting rank gives the others to write their summaries
 TICK = 1.0      # seconds between the watchdog's looks
 # Where a rank that is inside torch's collectives or its backward pass waits: it has
 # reached the collective (DDP's gradient all-reduce runs inside backward()).
 TORCH_WAITS = re.compile(r"torch/(distributed|nn/parallel|autograd)/")
 
-# What this process's main thread does that waits on the other ranks: (what, since, whether
-# it is a training step, which waits only once inside torch), or None.
-_waiting: list = [None]
+# What this process's main thread does that the other ranks may wait on: (what, since, kind),
+# kind one of WAITS (a labelled collective: it waits), STEP (a training step: it waits once
+# inside torch's collectives or backward) and OWN (its own work, a save or an evaluation,
+# which answers only when another rank already waits), or None.
+WAITS, STEP, OWN = "waits", "step", "own"
+_doing: list = [None]
 _step = [0]  # the steps this rank has finished, for the report
 
 
-def waiting_in(what: str | None, training_step: bool = False) -> object:
-    """From now on, the main thread waits on the other ranks in `what` (None: it does its own
-    work, which is not watched). Returns what it did before, for `restore`."""
-    before = _waiting[0]
-    _waiting[0] = (what, time.monotonic(), training_step) if what else None
+def doing(what: str | None, kind: str = WAITS) -> object:
+    """From now on, the main thread does `what` (None: nothing the others wait on). Returns
+    what it did before, for `restore`."""
+    before = _doing[0]
+    _doing[0] = (what, time.monotonic(), kind) if what else None
     return before
 
 
 def restore(before: object) -> None:
-    _waiting[0] = before
-
-
-@contextlib.contextmanager
-def waiting(what: str):
-    before = waiting_in(what)
-    try:
-        yield
-    finally:
-        restore(before)
+    _doing[0] = before
 
 
 def next_step(finished: int, label: str) -> None:
     """`finished` steps are done; the next one, whose gradient all-reduce (`label`) waits on
     every rank, is watched from now on."""
     _step[0] = finished
-    waiting_in(label, training_step=True)
+    doing(label, STEP)
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,8 @@ def innermost_own_frame(frames: list[tuple[str, int, str]], roots: tuple[Path, .
     directory, ddpkit/), as `file.py:LINE in function`, the path relative to the project."""
     for filename, line, function in reversed(frames):
         path = Path(filename).resolve()
-        if {"site-packages", "dist-packages"} & set(path.parts):  # (an environment inside the project)
-            continue
+        if {"site-packages", "dist-packages"} & set(path.parts) or path.is_relative_to(PYTHON_LIBRARY):
+            continue  # (an environment, or Python itself, inside the project's folder or $HOME)
         for root in roots:
             if path.is_relative_to(root):
                 shown = path.relative_to(root.parent if root == KIT else root)
@@ -150,7 +149,8 @@ def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, f
         elif summary.get("outside"):
             behind.append(f"rank {peer.rank} on {peer.host} is {summary['outside']}")
         elif not summary.get("waiting"):
-            behind.append(f"rank {peer.rank} on {peer.host} is at {summary['where']}")
+            busy = f" ({summary['busy']})" if summary.get("busy") else ""
+            behind.append(f"rank {peer.rank} on {peer.host} is at {summary['where']}{busy}")
     step = min((s["step"] for s in summaries.values() if "step" in s), default=0)
     ranks = ", ".join(str(r) for r in sorted(waiting)) or "none"
     if not behind:
@@ -162,7 +162,7 @@ def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, f
 
 
 class HangWatch:
-    """This rank's watchdog: a thread that looks every TICK at what the main thread waits in."""
+    """This rank's watchdog: a thread that looks every TICK at what the main thread does."""
 
     def __init__(self, *, rank: int, peers: list[Peer], folder: Path, hang_after: float, roots: tuple[Path, ...],
                  stream=None):
@@ -170,19 +170,21 @@ class HangWatch:
         self.folder = folder.resolve()
         self.stream = stream or sys.stderr
         self.host = socket.gethostname()
-        self.stacks = folder / f"rank-{rank}-{self.host}.txt"
+        self.stacks = self.folder / f"rank-{rank}-{self.host}.txt"
         self.reported = None  # the wait already reported
         self.file = None
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.watch, name="hang-watch", daemon=True)
 
     def start(self) -> "HangWatch":
+        remove_empty(self.folder.parent, keep=self.folder)  # (left by attempts that were killed)
         self.arm_faulthandler()  # (from here: a lock held before the thread's first look is caught too)
         self.thread.start()
         return self
 
     def stop(self) -> None:
-        """At the run's end: the thread ends, and files of reports that never came are removed."""
+        """At the run's end: the thread ends; its stacks file goes if nothing was written to it,
+        and the folders if they are empty then (the other ranks' files are theirs)."""
         self.stopped.set()
         if self.thread.is_alive():
             self.thread.join(timeout=5)
@@ -190,22 +192,29 @@ class HangWatch:
             faulthandler.cancel_dump_traceback_later()
         if self.file:
             self.file.close()
-        remove_empty(self.folder.parent)
+            with contextlib.suppress(OSError):
+                if self.stacks.stat().st_size == 0:
+                    self.stacks.unlink()
+        for folder in (self.folder, self.folder.parent):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # (only when empty)
 
     def watch(self) -> None:
         while not self.stopped.wait(TICK):
-            self.arm_faulthandler()
-            now = _waiting[0]
-            if now is None:  # its own work (evaluation, a save): not watched
-                continue
-            what, since, training_step = now
-            waited = time.monotonic() - since
-            if waited >= self.hang_after and self.reported is not now:
+            try:
+                self.arm_faulthandler()
+                now = _doing[0]
+                if now is None:
+                    continue
+                what, since, kind = now
+                if time.monotonic() - since < self.hang_after or self.reported is now:
+                    continue
+                if kind == OWN and not self.others_wait(since):  # (a long evaluation on every rank is no hang)
+                    continue
                 self.reported = now
-                try:
-                    self.report(what, since, training_step)
-                except Exception as err:  # a report must never end the run
-                    print(f"hang report of rank {self.rank} failed: {err}", file=self.stream, flush=True)
+                self.report(what, since, kind)
+            except Exception as err:  # a report must never end the run
+                print(f"hang report of rank {self.rank} failed: {err}", file=self.stream, flush=True)
 
     def arm_faulthandler(self) -> None:
         """Should this thread stop looking for --hang-after seconds and more (a C call holds the
@@ -214,39 +223,48 @@ class HangWatch:
         if self.file is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.file = open(self.stacks, "a")
-        faulthandler.dump_traceback_later(self.hang_after + 3 * TICK, repeat=False, file=self.file)
+        faulthandler.dump_traceback_later(self.hang_after + 2 * TICK, repeat=False, file=self.file)
 
-    def report(self, what: str, since: float, training_step: bool) -> None:
+    def others_wait(self, since: float) -> bool:
+        """Whether another rank reported a wait that began after `since` (monotonic) here."""
+        return any(s.get("waiting") for r, s in self.read_summaries(since).items() if r != self.rank)
+
+    def report(self, what: str, since: float, kind: str) -> None:
+        """This rank's stacks and summary; then, if it waits, the verdict once the others had
+        time to answer (the lowest waiting rank prints it)."""
         frames = main_thread_frames()
         where = innermost_own_frame(frames, self.roots)
-        # A labelled collective is waited in; a training step once inside torch's collectives or backward.
         inside_torch = any(TORCH_WAITS.search(f.replace(os.sep, "/")) for f, _, _ in frames)
-        waits = what if inside_torch or not training_step else ""
+        waits = what if kind == WAITS or (kind == STEP and inside_torch) else ""
         waited = time.monotonic() - since
-        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), after step {_step[0]}: "
-                        f"{'waits in ' + waits if waits else 'has not reached ' + what} for {waited:.0f} s, at {where}\n")
+        doing_now = f"waits in {waits}" if waits else f"is busy {what}" if kind == OWN else f"has not reached {what}"
+        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), after step {_step[0]}: {doing_now} for "
+                        f"{waited:.0f} s, at {where}\n")
         self.file.flush()
         faulthandler.dump_traceback(self.file, all_threads=True)
         self.file.write("\n")
         self.file.flush()
-        summary = {"rank": self.rank, "host": self.host, "step": _step[0], "waiting": waits, "where": where}
-        write_json(self.folder / f"rank-{self.rank}.json", summary)
+        write_json(self.folder / f"rank-{self.rank}.json",
+                   {"rank": self.rank, "host": self.host, "step": _step[0], "waiting": waits, "where": where,
+                    "busy": what if kind == OWN else "", "time": time.time()})
         if not waits:
             return
         if self.stopped.wait(GRACE):  # (the run ended meanwhile)
             return
-        summaries = self.read_summaries()
+        self.arm_faulthandler()
+        summaries = self.read_summaries(since)
         silent = [peer for peer in self.peers if peer.rank not in summaries and peer.host == self.host]
         alive = [peer for peer in silent if process_state(peer.pid).startswith("alive")]
-        for _ in range(3):  # a live rank whose lock is held: its faulthandler writes a little later
+        for _ in range(4):  # a live rank whose lock is held: its faulthandler writes a little later
             if all(self.stacks_of(peer) for peer in alive) or self.stopped.wait(TICK):
                 break
+            self.arm_faulthandler()
         for peer in silent:  # a rank of this host that wrote nothing: look at it from outside
             write_json(self.folder / f"rank-{peer.rank}.json",
-                       {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer)})
+                       {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer), "time": time.time()})
         if self.stopped.wait(TICK):
             return
-        summaries = self.read_summaries()
+        summaries = self.read_summaries(since)
         if min(r for r, s in summaries.items() if s.get("waiting")) == self.rank:
             line = verdict_line(summaries, self.peers, time.monotonic() - since, self.folder)
             (self.folder / "verdict.txt").write_text(line + "\n")
@@ -266,12 +284,16 @@ class HangWatch:
             seen += f", at {innermost_own_frame(faulthandler_frames(text), self.roots)} (faulthandler's stacks)"
         return seen
 
-    def read_summaries(self) -> dict[int, dict]:
+    def read_summaries(self, since: float) -> dict[int, dict]:
+        """The summaries written since this wait began (`since`, monotonic here): an earlier
+        wait's, which resolved, are not this one's."""
+        began = time.time() - (time.monotonic() - since) - SLACK
         summaries = {}
         for path in self.folder.glob("rank-*.json"):
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, KeyError):
                 summary = json.loads(path.read_text())
-                summaries[int(summary["rank"])] = summary
+                if summary["time"] >= began:
+                    summaries[int(summary["rank"])] = summary
         return summaries
 
 
@@ -281,16 +303,16 @@ def write_json(path: Path, value: dict) -> None:
     os.replace(temporary, path)
 
 
-def remove_empty(hangs: Path) -> None:
-    """Empty stack files and folders under RUN_DIR/hangs: a run that ended (or was killed)
-    before it had anything to report."""
+def remove_empty(hangs: Path, keep: Path) -> None:
+    """Empty stack files and folders under RUN_DIR/hangs left by earlier attempts of the run,
+    killed before they had anything to report (this attempt's folder, `keep`, is the ranks')."""
     if not hangs.is_dir():
         return
     for folder in hangs.iterdir():
+        if folder == keep or not folder.is_dir():
+            continue
         with contextlib.suppress(OSError):
             for path in folder.glob("rank-*.txt"):
                 if path.stat().st_size == 0:
                     path.unlink()
             folder.rmdir()  # (only when empty)
-    with contextlib.suppress(OSError):
-        hangs.rmdir()

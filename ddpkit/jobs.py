@@ -341,7 +341,9 @@ def fail(err: Exception | str, code: int = EXIT_USAGE, who: str = "") -> int:
 def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, manual: str = "",
             stop: StopSignals | None = None) -> int:
     """Run `body` (the recipe's part: data, model, loop) as this process's part of the job
-    and return the exit code; every ending is one line and a code (see the manual)."""
+    and return the exit code; every ending is one line and a code (see the manual). After a
+    lost peer (4) in a process group, the process ends here with that code instead
+    (distributed.leave_after_lost_peer)."""
     startup = StartupClock()  # first: its "imports" are the time since the process started
     argv = sys.argv[1:] if argv is None else list(argv)
     stop, who = stop or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal

@@ -47,7 +47,7 @@ class RunOptions:
     dist_timeout: float = option(300.0, "seconds a collective may wait for a missing rank before the job fails",
                                  "distributed")
     hang_after: float = option(0.0, "seconds a rank may wait on the others (in a training step or a collective) before "
-                               "every rank writes its stacks to RUN_DIR/hangs and one line names the rank that holds "
+                               "the ranks write their stacks to RUN_DIR/hangs and one line names the rank that holds "
                                "them up, where it is and on which host (0: a fifth of --dist-timeout, at least 10 s; "
                                "-1: never)", "distributed")
     check: bool = option(False, "check the job instead of training, in about a minute: every rank joins (within "
@@ -69,7 +69,8 @@ class RunOptions:
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "
                            "its newest checkpoint (default: job-<SLURM_JOB_ID>, else a timestamp)", "output")
     run_dir: str = option("", "the run's directory as a path, instead of LOG_DIR/RUN_NAME", "output")
-    log_every: int = option(50, "log the training loss to TensorBoard every N steps", "output")
+    log_every: int = option(50, "log the training loss to TensorBoard every N steps (and the slowest and median rank's "
+                            "time a step; RUN_DIR/profile-now is looked for as often)", "output")
     progress_every: float = option(60.0, "when the output is not a terminal (batch jobs), print a progress line every N "
                                    "seconds (0: never)", "output")
     image_every: int = option(1, "log test images with their predictions and a confusion matrix every N epochs (0: never)",

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ddpkit import hangs
+
 WARMUP = 3           # steps of this start before --profile N begins: the first ones allocate and tune
 ON_REQUEST = 10      # steps a profile-now request records when --profile is 0
 REQUEST = "profile-now"
@@ -28,7 +30,7 @@ def communication_share(events, seconds: float) -> float:
 class StepProfiler:
     """Starts and stops torch.profiler at the steps the run agreed on (every rank alike)."""
 
-    def __init__(self, run_dir: Path, rank: int, is_main: bool, device: torch.device, steps: int, first_step: int):
+    def __init__(self, *, run_dir: Path, rank: int, is_main: bool, device: torch.device, steps: int, first_step: int):
         self.run_dir, self.rank, self.is_main, self.device = run_dir, rank, is_main, device
         self.steps = steps                 # --profile N
         self.start_at = first_step + WARMUP if steps else None  # (the step count after which it starts)
@@ -56,9 +58,12 @@ class StepProfiler:
         return False
 
     def finish_early(self, step: int) -> None:
-        """The run ends while a profile records: it ends here."""
+        """The run ends while a profile records: it ends here (with no step recorded, silently)."""
         if self.profiler is not None and step >= self.first:
             self.finish(step)
+        elif self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
 
     def start(self, step: int, steps: int) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -73,6 +78,13 @@ class StepProfiler:
             print(f"profiling steps {step + 1} to {self.until} on every rank", flush=True)
 
     def finish(self, step: int) -> None:
+        before = hangs.doing("writing a profile", hangs.OWN)  # (a large trace takes a while)
+        try:
+            self.write(step)
+        finally:
+            hangs.restore(before)
+
+    def write(self, step: int) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.began

@@ -79,7 +79,7 @@ AGREEMENT = "the per-step agreement (stop, divergence, checkpoint time)"
 
 
 def start_agreement(stop: StopSignals, loss: torch.Tensor, clock: CheckpointClock, rt: Runtime,
-                    buffers: AgreementBuffers | None = None, profile: bool = False,
+                    buffers: AgreementBuffers | None = None, *, profile: bool = False,
                     step_ms: float | None = None) -> PendingAgreement:
     """Start this step's agreement: one small all-reduce of every rank's flags and loss (and,
     at a log window's end, its `step_ms`), which runs while the next step computes;

@@ -675,10 +675,12 @@ def task(argv: List[str]) -> None:
 def flight_recorder(run_dir: str) -> Dict[str, str]:
     """NCCL's Flight Recorder: on a collective's timeout every NCCL rank dumps its last
     collectives to RUN_DIR/hangs/nccl-trace-rank-<r>, beside the hang report's stacks (the
-    folder exists once the hang watch has started, after the first step). Gloo ignores it.
-    Not run here: no GPU (docs/recovery.md says how to read the dumps)."""
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(run_dir, "hangs", "nccl-trace-rank-")}
+    folder exists while the hang watch runs: the whole run, unless --hang-after -1), under
+    torch's older names and its newer ones. Gloo ignores it. Not run here: no GPU
+    (docs/recovery.md says how to read the dumps)."""
+    dump = os.path.join(run_dir, "hangs", "nccl-trace-rank-")
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump, "TORCH_FR_DUMP_TEMP_FILE": dump}
 
 
 # ----------------------------------------------------------------------------- the job

@@ -91,7 +91,8 @@ class TrainingRun:
         self.estimate_due = time_limit  # rank 0's watch on the job's end, until it said whether the run fits
         self.epoch_first_step = self.started_at = progress.step
         self.stragglers = Stragglers(hosts or []) if rt.is_main and self.timer.hook else None
-        self.profiler = StepProfiler(run_dir, rt.rank, rt.is_main, rt.device, options.profile, progress.step)
+        self.profiler = StepProfiler(run_dir=run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
+                                     steps=options.profile, first_step=progress.step)
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -114,14 +115,12 @@ class TrainingRun:
             torch.cuda.reset_peak_memory_stats(self.rt.device)
         set_background(GRADIENT_ALL_REDUCE)
         self.timer.step_ended()  # (the epoch's first step: its own time starts here)
-        if self.progress.step > self.started_at:  # (this start's first step compiles, allocates: not watched)
-            hangs.next_step(self.progress.step, GRADIENT_ALL_REDUCE)
+        self.watch_next_step()
 
     def step_done(self, loss: torch.Tensor, images: int) -> None:
         """After each optimiser step: count it and log it, read the previous step's agreement
         (a stop, a loss that is not finite, the checkpoint clock, a profile request; at a log
         window's end every rank's time a step) and start this one's."""
-        self.timer.step_ended()
         progress = self.progress
         self.loss.add(loss, images)
         self.trained += images
@@ -134,16 +133,15 @@ class TrainingRun:
         step_ms = self.timer.window_ms() if window_end and self.timer.hook else None
         profile = window_end and self.rt.is_main and self.profiler.requested()
         self.earlier = read_agreement(self.pending) if self.pending else Verdict()
-        self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement, profile, step_ms)
-        self.stopping = self.stopping or self.earlier.stopping
-        self.profile_asked = self.profile_asked or self.earlier.profile
+        self.pending = start_agreement(self.stop, loss, self.clock, self.rt, self.agreement, profile=profile,
+                                       step_ms=step_ms)
         if self.earlier.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite", progress.step - 1)
+        self.take(self.earlier)
         self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
-        if self.earlier.step_ms and self.stragglers:
-            self.judge_speed(self.earlier.step_ms)
         self.profile_asked = self.profiler.step_done(progress.step, self.profile_asked)
         hangs.next_step(progress.step, GRADIENT_ALL_REDUCE)
+        self.timer.step_ended()  # (after the agreement's read, which on a GPU may wait for a slow rank)
 
     def checkpoint_due(self) -> bool:
         """Whether the step just done saves a checkpoint: every --ckpt-every steps, once
@@ -160,7 +158,7 @@ class TrainingRun:
         """Save where the run stands (every rank: each saves its own state). After a step, its
         agreement is waited for first: a loss that is not finite is never saved, and a stop
         asked for during the step stops at this checkpoint."""
-        hangs.waiting_in(None)  # its own work; the collectives inside are watched
+        hangs.doing("saving a checkpoint", hangs.OWN)  # (only rank 0 writes the file: the others may wait for it)
         self.timer.pause()
         if self.pending:  # saving waits for the step anyway
             self.this_step()
@@ -173,8 +171,7 @@ class TrainingRun:
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()
         self.timer.step_ended()  # (the next step's own time starts after the save)
-        if self.progress.step > self.started_at:
-            hangs.next_step(self.progress.step, GRADIENT_ALL_REDUCE)
+        self.watch_next_step()
         return path
 
     def stop_agreed(self) -> bool:
@@ -192,7 +189,7 @@ class TrainingRun:
         the recipe's Evaluation: each of its metrics (name -> float; "loss" and "accuracy"
         among them) goes into the record as test_<name>."""
         rt, progress = self.rt, self.progress
-        hangs.waiting_in(None)  # its own work; the collectives inside are watched
+        hangs.doing("evaluating", hangs.OWN)
         self.timer.pause()  # (its forward passes are not steps)
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
@@ -244,6 +241,7 @@ class TrainingRun:
             self.evaluate(evaluate)
             self.checkpoint()
         record = progress.last_record
+        hangs.doing("saving model.pt", hangs.OWN)
         if self.rt.is_main:
             save_atomic(final_model.state_dict(), self.run_dir / "model.pt")
             print(f"saved {self.run_dir / 'model.pt'}; final test accuracy {100 * record['test_accuracy']:.2f}%",
@@ -251,7 +249,7 @@ class TrainingRun:
         progress.finished = True
         self.checkpoint()
         self.logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
-        hangs.waiting_in(None)
+        hangs.doing(None)
         self.timer.remove()
 
     # ------------------------------------------------------------------ what they share
@@ -269,9 +267,21 @@ class TrainingRun:
         now, self.pending = read_agreement(self.pending), None
         if now.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite")
-        self.stopping = self.stopping or now.stopping
-        self.profile_asked = self.profile_asked or now.profile
+        self.take(now)
         return now
+
+    def take(self, verdict: Verdict) -> None:
+        """What an agreement says besides a divergence: a stop, a profile asked for, and at a
+        log window's end every rank's time a step."""
+        self.stopping = self.stopping or verdict.stopping
+        self.profile_asked = self.profile_asked or verdict.profile
+        if verdict.step_ms and self.stragglers:
+            self.judge_speed(verdict.step_ms)
+
+    def watch_next_step(self) -> None:
+        """The next step is watched for a hang, but not this start's first (it compiles, allocates)."""
+        if self.progress.step > self.started_at:
+            hangs.next_step(self.progress.step, GRADIENT_ALL_REDUCE)
 
     def diverged(self, what: str, step: int | None = None) -> Diverged:
         step = self.progress.step if step is None else step
@@ -295,7 +305,8 @@ class TroubledRun(TrainingRun):
     """Testing aids for the hang report and the straggler line, set by environment variables
     that users never see (not options): MNIST_DDP_TEST_HANG=R:N, rank R hangs in Python when
     step N ends (R:N:gil, in a C call that holds the interpreter's lock); MNIST_DDP_TEST_SLOW=R:S,
-    rank R sleeps S seconds before each forward pass."""
+    rank R sleeps S seconds before each forward pass; MNIST_DDP_TEST_SLOW_SAVE=R:N:S, rank R's
+    checkpoint of step N takes S seconds more."""
 
     def __init__(self, **fields):
         super().__init__(**fields)
@@ -303,6 +314,13 @@ class TroubledRun(TrainingRun):
         if slow and int(slow.split(":")[0]) == self.rt.rank:
             seconds = float(slow.split(":")[1])
             self.state["model"].register_forward_pre_hook(lambda *_: time.sleep(seconds))
+
+    def checkpoint(self) -> Path:
+        rank, step, seconds = os.environ.get("MNIST_DDP_TEST_SLOW_SAVE", "-1:0:0").split(":")
+        if (int(rank), int(step)) == (self.rt.rank, self.progress.step):
+            hangs.doing("saving a checkpoint", hangs.OWN)
+            time.sleep(float(seconds))  # (a slow file system)
+        return super().checkpoint()
 
     def step_done(self, loss: torch.Tensor, images: int) -> None:
         rank, step, *how = os.environ.get("MNIST_DDP_TEST_HANG", "-1:0").split(":")
@@ -315,8 +333,8 @@ class TroubledRun(TrainingRun):
 
 def new_run(**fields) -> TrainingRun:
     """TrainingRun(**fields); on rank 0 with --interrupt-at an InterruptingRun; with a test's
-    MNIST_DDP_TEST_HANG or MNIST_DDP_TEST_SLOW a TroubledRun."""
-    if os.environ.get("MNIST_DDP_TEST_HANG") or os.environ.get("MNIST_DDP_TEST_SLOW"):
+    MNIST_DDP_TEST_HANG, _SLOW or _SLOW_SAVE a TroubledRun."""
+    if any(os.environ.get(f"MNIST_DDP_TEST_{aid}") for aid in ("HANG", "SLOW", "SLOW_SAVE")):
         return TroubledRun(**fields)
     interrupting = fields["options"].interrupt_at and fields["rt"].is_main
     return (InterruptingRun if interrupting else TrainingRun)(**fields)

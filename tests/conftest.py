@@ -61,6 +61,7 @@ SLOW = {
                      "test_every_figure_in_help_is_written_from_the_figure_files_and_checked"},
     "test_hangs": {"test_a_rank_hung_in_python_is_named_with_its_host_and_line_and_the_run_then_goes_on",
                    "test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_faulthandler_stacks",
+                   "test_a_slow_save_that_holds_the_others_up_is_named_and_the_run_goes_on",
                    "test_a_slowed_rank_is_named_as_the_straggler_and_tensorboard_has_the_speed_scalars",
                    "test_profile_writes_a_trace_per_rank_and_a_table_and_changes_no_result",
                    "test_touching_profile_now_profiles_the_next_steps_of_a_running_run"},

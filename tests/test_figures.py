@@ -172,21 +172,22 @@ def junit_file(path: Path, seconds: float, cases: list[tuple[str, str]]) -> str:
 def test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier(tmp_path):
     """`figures.py tests` adds up make test's parts, and takes the fast tier's figure only from
     a run that holds exactly the tests conftest's markers leave in it (neither slurm, by
-    fixture or by file, nor slow)."""
+    fixture or by file, nor slow): one more, or one fewer, is refused."""
     copy = whole_copy(tmp_path)
-    fast = [("tests.test_recovery", "test_checkpoint_clock_with_a_fake_clock")]
-    slow = [("tests.test_hangs", "test_touching_profile_now_profiles_the_next_steps_of_a_running_run")]
-    slurm = [("tests.test_recovery", "test_a_crash_loop_gives_up_after_max_restarts"),    # the one_node fixture
-             ("tests.test_slurm", "test_two_tasks_on_one_node")]                          # a file of Slurm tests
-    parts = [junit_file(tmp_path / "a.xml", 91.5, fast + slow), junit_file(tmp_path / "b.xml", 300.0, slurm)]
-    result = figures("tests", *parts, "--fast", junit_file(tmp_path / "f.xml", 12.5, fast + slow), root=copy)
-    assert result.returncode == 1 and "is not a run of the fast tier (make test-fast): 1 tests outside it, 0 of it missing" \
-        in result.stdout + result.stderr
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                                "not slurm and not slow", "tests/test_recovery.py"], cwd=ROOT, capture_output=True, text=True)
+    fast = [("tests.test_recovery", line.split("::")[-1]) for line in collected.stdout.splitlines() if "::" in line]
+    assert ("tests.test_recovery", "test_checkpoint_clock_with_a_fake_clock") in fast
+    slurm = [("tests.test_recovery", "test_a_crash_loop_gives_up_after_max_restarts")]   # the one_node fixture
+    parts = [junit_file(tmp_path / "a.xml", 91.5, fast), junit_file(tmp_path / "b.xml", 300.0, slurm)]
+    for wrong, said in ((fast + slurm, "1 tests outside it, 0 of it missing"), (fast[1:], "0 tests outside it, 1 of it missing")):
+        result = figures("tests", *parts, "--fast", junit_file(tmp_path / "f.xml", 12.5, wrong), root=copy)
+        assert result.returncode == 1 and f"is not a run of the fast tier (make test-fast): {said}" in result.stderr
     result = figures("tests", *parts, "--fast", junit_file(tmp_path / "f.xml", 12.5, fast), root=copy)
     assert result.returncode == 0, result.stdout + result.stderr
     written = json.loads((copy / "docs" / "figures" / "tests.json").read_text())
     assert {k: v for k, v in written.items() if k != "machine"} == \
-        {"tests": 4, "seconds": 391.5, "fast_tests": 1, "fast_seconds": 12.5}
+        {"tests": len(fast) + 1, "seconds": 391.5, "fast_tests": len(fast), "fast_seconds": 12.5}
 
 
 # ----------------------------------------------------------------------------- claims the pages make

@@ -1,9 +1,11 @@
 """Seeing inside a running job, with real processes over Gloo: a rank hung in Python is named
 with its host and line in one line before --dist-timeout, every rank's stacks are kept and the
-run then goes on from its checkpoint; a rank stopped or gone is named from outside (/proc of a
+run then goes on from its checkpoint; a rank that holds the others up with a slow save is
+named with its line, and the run goes on; a rank stuck with the interpreter's lock held is
+named from its faulthandler stacks; a rank stopped or gone is named from outside (/proc of a
 real stopped process); a slowed rank is named as the straggler and the speed scalars reach
-TensorBoard; --profile and RUN_DIR/profile-now write traces and a table without changing the
-run's results. The SIGSTOP of a rank under a real Slurm is in test_slurm.py.
+TensorBoard, and a clean run leaves no RUN_DIR/hangs; --profile writes traces and a table
+without changing the run's results, and RUN_DIR/profile-now profiles a running run. The SIGSTOP of a rank under a real Slurm is in test_slurm.py.
 
     python -m pytest tests/test_hangs.py
 """
@@ -86,6 +88,24 @@ def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_f
     print(verdict.group(0))
 
 
+def test_a_slow_save_that_holds_the_others_up_is_named_and_the_run_goes_on(tiny_folder, tmp_path):
+    """Rank 0's checkpoint of step 4 takes 12 s more (a test-only hook; only it writes the
+    file): rank 1 waits for it past --hang-after, so rank 0 answers with where it is, the
+    line names it, and the run then finishes by itself, its report kept."""
+    args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "2", "--ckpt-every", "2", "--dist-timeout", "40",
+            "--hang-after", "5", "--run-dir", "run"]
+    results = run_as_srun(2, args, cwd=tmp_path, job_id="", env={"MNIST_DDP_TEST_SLOW_SAVE": "0:4:12"})
+    for result in results:
+        assert_ok(result)
+    verdict = re.search(r"^hang after step 4: rank 0 on \S+ is at ddpkit/training_run\.py:\d+ in checkpoint \(saving a "
+                        r"checkpoint\); rank\(s\) 1 wait for it in .* for \d+ s; every rank's stacks: (\S+);",
+                        results[1].stderr, re.M)
+    assert verdict, results[1].stderr[-3000:]
+    print(verdict.group(0))
+    assert (Path(verdict.group(1)) / "verdict.txt").exists()
+    assert [r["epoch"] for r in read_results(tmp_path / "run")] == [1, 2]
+
+
 def test_a_stopped_or_gone_process_is_named_from_outside():
     """What a rank's peer on the same host reads in /proc: a real stopped process, a live one
     and one that has exited."""
@@ -161,6 +181,7 @@ def test_a_slowed_rank_is_named_as_the_straggler_and_tensorboard_has_the_speed_s
     line = re.search(r"^straggler: rank 1 on (\S+) takes ([\d.]+) ms of its own a step .*, ([\d.]+)x the other ranks' median", results[0].stdout, re.M)
     assert line and line.group(1) == HOST and float(line.group(2)) >= 40, results[0].stdout[-2000:]
     print(line.group(0))
+    assert not (tmp_path / "run" / "hangs").exists()  # (a clean run leaves no report behind)
     events = EventAccumulator(str(tmp_path / "run")).Reload()
     slowest = [e.value for e in events.Scalars("speed/slowest_rank_ms")]
     median = [e.value for e in events.Scalars("speed/median_rank_ms")]
