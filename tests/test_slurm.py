@@ -31,6 +31,7 @@ from conftest import (
     SAMPLE,
     SBATCH_FILE,
     Cluster,
+    assert_ok,
     clean_env,
     finish,
     load_params,
@@ -512,16 +513,30 @@ def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(roomy_n
             assert epochs[-1] < 3, case
 
 
+def epochs_lasting(seconds: float, workdir: Path) -> int:
+    """How many epochs of the sample one rank of one thread trains in about `seconds` on this
+    machine while a second such run trains beside it (as in the test), from the second epoch
+    of two short runs at once (the first one warms up)."""
+    runs = [preloaded.Run(["--epochs", "2", "--image-every", "0", "--run-dir", f"speed{n}"], workdir,
+                          clean_env(OMP_NUM_THREADS="1")) for n in range(2)]
+    for run in runs:
+        assert_ok(run.wait(300))
+    epoch_s = max(read_metrics(workdir / f"speed{n}")[1]["epoch_s"] for n in range(2))
+    return max(20, round(seconds / epoch_s))
+
+
 def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tmp_path):
     """A site's copy of the batch file without the --signal line, --time=2 (minutes) and about
-    3 minutes of training on one rank: rank 0 says after its first epoch that the run does
-    not fit, saves and stops about a minute before the limit (--stop-before auto) with no
-    signal from Slurm, and the batch shell requeues the job, again and again until it ends
-    with exit 0; its weights are those of the same run uninterrupted, trained beside it."""
+    150 s of training on one rank (as many epochs as this machine trains in that time): rank
+    0 says after its first epoch that the run does not fit, saves and stops about a minute
+    before the limit (--stop-before auto) with no signal from Slurm, and the batch shell
+    requeues the job, again and again (each job trains for about 55 s) until it ends with
+    exit 0; its weights are those of the same run uninterrupted, trained beside it."""
     batch_file = tmp_path / "site.sbatch"
     batch_file.write_text("".join(line for line in SBATCH_FILE.read_text().splitlines(keepends=True)
                                   if not line.startswith("#SBATCH --signal")))
-    args = ["--epochs", "280", "--image-every", "0"]
+    epochs = epochs_lasting(150, tmp_path)
+    args = ["--epochs", str(epochs), "--image-every", "0"]
     (tmp_path / "alone").mkdir()
     uninterrupted = preloaded.Run([*args, "--log-dir", "runs", "--run-name", "alone"], tmp_path / "alone",
                                   clean_env(OMP_NUM_THREADS="1"))
@@ -540,7 +555,7 @@ def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tm
     assert "DUE TO TIME LIMIT" not in out and f"job={job_id} exit=0" in out
     assert re.findall(r"^START .* restart=(\d+) ", out, re.M) == [str(n) for n in range(len(stops) + 1)]
     run_dir = tmp_path / "runs" / f"job-{job_id}"
-    assert [m["epoch"] for m in read_metrics(run_dir)] == list(range(1, 281))
+    assert [m["epoch"] for m in read_metrics(run_dir)] == list(range(1, epochs + 1))
     params, alone = load_params(run_dir), load_params(tmp_path / "alone" / "runs" / "alone")
     for name in alone:
         torch.testing.assert_close(params[name], alone[name], rtol=0, atol=0, msg=name)
