@@ -38,7 +38,7 @@ from ddpkit.distributed import (
     teardown_distributed,
 )
 from ddpkit.doctor import check_job
-from ddpkit.hangs import HangWatch, Peer, default_hang_after
+from ddpkit.hangs import KIT, HangWatch, Peer, default_hang_after
 from ddpkit.launch import (
     EXIT_BUG,
     EXIT_DIVERGED,
@@ -251,7 +251,7 @@ class Job:
         options = self.options
         hang_after = default_hang_after(options.dist_timeout) if options.hang_after == 0 else options.hang_after
         if self.rt.world_size > 1 and hang_after > 0:
-            roots = (Path(sys.argv[0]).resolve().parent, Path(__file__).resolve().parent)
+            roots = (Path(sys.argv[0]).resolve().parent, KIT)  # (the recipe's folder, ddpkit/)
             self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
                                         hang_after=hang_after, roots=roots).start()
 

@@ -16,14 +16,14 @@ from ddpkit import hangs
 WARMUP = 3           # steps of this start before --profile N begins: the first ones allocate and tune
 ON_REQUEST = 10      # steps a profile-now request records when --profile is 0
 REQUEST = "profile-now"
-COMMUNICATION = re.compile(r"^(gloo|nccl)[:_]|^c10d::|^record_param_comms$")
+COMMUNICATION = re.compile(r"^(gloo|nccl)[:_]|^record_param_comms$")  # (not c10d::'s, which only launch them)
 TOP = 12             # operators in the table
 
 
 def communication_share(events, seconds: float) -> float:
     """The share of `seconds` that the collectives' own events (Gloo's and NCCL's, run on
     their own threads) were under way; they include the wait for the other ranks."""
-    busy_us = sum(e.cpu_time_total for e in events if COMMUNICATION.match(e.key) and not e.key.startswith("c10d::"))
+    busy_us = sum(e.cpu_time_total for e in events if COMMUNICATION.match(e.key))
     return min(1.0, busy_us / 1e6 / max(seconds, 1e-9))
 
 
@@ -54,7 +54,6 @@ class StepProfiler:
             return agreed_request
         if step == self.start_at or agreed_request:
             self.start(step, self.steps if step == self.start_at else (self.steps or ON_REQUEST))
-            return False
         return False
 
     def finish_early(self, step: int) -> None:
@@ -75,7 +74,7 @@ class StepProfiler:
         self.profiler = profile(activities=activities)
         self.profiler.start()
         if self.is_main:
-            print(f"profiling steps {step + 1} to {self.until} on every rank", flush=True)
+            print(f"profiling steps {self.first} to {self.until} on every rank", flush=True)
 
     def finish(self, step: int) -> None:
         before = hangs.doing("writing a profile", hangs.OWN)  # (a large trace takes a while)
@@ -106,4 +105,3 @@ class StepProfiler:
             print(table, flush=True)
             print(summary, flush=True)
         self.profiler, self.start_at = None, None
-

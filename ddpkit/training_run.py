@@ -140,7 +140,7 @@ class TrainingRun:
         self.take(self.earlier)
         self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
         self.profile_asked = self.profiler.step_done(progress.step, self.profile_asked)
-        hangs.next_step(progress.step, GRADIENT_ALL_REDUCE)
+        self.watch_next_step()
         self.timer.step_ended()  # (after the agreement's read, which on a GPU may wait for a slow rank)
 
     def checkpoint_due(self) -> bool:
