@@ -208,18 +208,19 @@ def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor
     return torch.stack([direction // 3 - 1, direction % 3 - 1]) * moved
 
 
-def epoch_shard(n: int, epoch: int, seed: int, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's training indices for one epoch.
+def epoch_shard(n: int, epoch: int, seed: int, *, rank: int, world_size: int, batch_size: int) -> torch.Tensor:
+    """This rank's training indices for one epoch, batch_size of them a step.
 
-    Every rank draws the same seeded permutation and takes every world_size-th index
-    from its own offset, as DistributedSampler(drop_last=True) with set_epoch does: the
-    shards are disjoint and equally long, so every rank runs the same number of steps.
-    Step k of world_size ranks at batch B sees exactly what step k of one process at
-    batch world_size * B sees."""
+    Position p of the epoch is image order[p % n] of a seeded permutation every rank
+    draws alike. Step k's global batch is positions k * G to k * G + G - 1 (G = world_size *
+    batch_size), and each rank takes every world_size-th of them from its own offset. So a
+    global batch holds the same images on any number of ranks that split it: a run saved
+    by N ranks goes on in mid-epoch on M. The epoch's last global batch is filled up with
+    its first images (as DistributedSampler pads), so every step trains G images."""
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n, generator=generator)
-    per_rank = n // world_size
-    return order[rank: per_rank * world_size: world_size]
+    positions = math.ceil(n / (world_size * batch_size)) * world_size * batch_size
+    return order[torch.arange(rank, positions, world_size) % n]
 
 
 # ----------------------------------------------------------------------------- model
@@ -410,7 +411,8 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
     while not run.done():
         run.epoch_begins()
         epoch = run.progress.epoch
-        shard = epoch_shard(len(train_set), epoch, recipe.seed, rt.rank, rt.world_size).to(rt.device)
+        shard = epoch_shard(len(train_set), epoch, recipe.seed, rank=rt.rank, world_size=rt.world_size,
+                            batch_size=batch_size).to(rt.device)
         shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
         shifts = shifts if shifts is None else shifts.to(rt.device)
         batches = [shard[k * batch_size: (k + 1) * batch_size]
@@ -452,7 +454,7 @@ def prepare_and_train(job: jobs.Job) -> None:
         train_set, test_set = read_data(recipe, options, data_dir, job)
     model, raw_model, optimizer, average = build_training(recipe, options, rt, train_set)
     run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},
-                        images_per_rank=len(train_set) // rt.world_size, batch_size=batch_size,
+                        images=len(train_set), batch_size=batch_size,
                         epochs=recipe.epochs, max_steps=recipe.max_steps, hparams=hparams(recipe, options, rt.world_size),
                         classes=train_set.classes, shape=train_set.shape, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
     train(run, recipe=recipe, options=options, rt=rt, model=model, raw_model=raw_model, optimizer=optimizer,

@@ -93,7 +93,7 @@ class Progress:
     epoch: int = 1              # the epoch in progress
     step_in_epoch: int = 0      # its batches already done
     # Optimiser steps done in all, the run's one count (logs, checkpoint names, rotation). A
-    # resume with another world size keeps counting from where the interrupted epoch began.
+    # resume that restarts its epoch (another global batch) counts on from where it began.
     step: int = 0
     last_record: dict = field(default_factory=dict)  # the last evaluation's metrics
     finished: bool = False      # the last epoch evaluated and model.pt written: nothing left to do
@@ -114,15 +114,17 @@ def weights_are_finite(state: Mapping[str, object]) -> bool:
 
 
 # The checkpoint's own keys; the recipe's state goes beside them, each under its name.
-RESERVED = frozenset(("format", "config", "classes", "shape", "world_size", "progress", "rank_states"))
+RESERVED = frozenset(("format", "config", "classes", "shape", "world_size", "global_batch", "progress",
+                      "rank_states"))
 
 
 def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], state: Mapping[str, object], rt: Runtime,
-                    progress: Progress, loss_sum: torch.Tensor, keep: int, *,
+                    progress: Progress, loss_sum: torch.Tensor, keep: int, *, global_batch: int,
                     shape: tuple[int, int, int] | None = None) -> Path:
     """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
     the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
-    is saved as its state_dict under its name; `shape` is the images' (C, H, W)."""
+    is saved as its state_dict under its name; `global_batch` is the images of a step over
+    all ranks (what progress.step_in_epoch counts in); `shape` is the images' (C, H, W)."""
     taken = RESERVED.intersection(state)
     if taken:
         raise ValueError(f"a checkpoint keeps its own {', '.join(sorted(taken))} under that name: give the recipe's "
@@ -133,7 +135,7 @@ def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], stat
         path.parent.mkdir(parents=True, exist_ok=True)
         save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes),
                      **({} if shape is None else {"shape": list(shape)}), "world_size": rt.world_size,
-                     **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
+                     "global_batch": global_batch, **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         # The newest `keep` up to this step; a later one is the file a rewound run resumed
         # from, which set_aside_checkpoints moves away once this one is safe.
@@ -146,7 +148,7 @@ def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], stat
 def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path]:
     """Move the checkpoints numbered `step` or later, but the file `keep`, into a folder of
     their own under checkpoints/superseded/, and return them. A run that goes on from an
-    earlier point (a rollback with --resume PATH, another world size restarting its epoch,
+    earlier point (a rollback with --resume PATH, another global batch restarting its epoch,
     newer files that would not load) writes a new path from there, which --resume auto and
     rotation must not mistake for the old one. Nothing is deleted or overwritten: a
     rollback made by mistake can still be undone by hand."""
@@ -222,6 +224,8 @@ def check_checkpoint(ckpt: object) -> None:
         raise ValueError("its shape is not the images' [channels, height, width]")
     if not is_count(ckpt["world_size"], 1):
         raise ValueError(f"its world_size is {ckpt['world_size']!r}, not a count of ranks")
+    if "global_batch" in ckpt and not is_count(ckpt["global_batch"], 1):  # (none before it was saved)
+        raise ValueError(f"its global_batch is {ckpt['global_batch']!r}, not a count of images")
     check_progress(ckpt["progress"])
     states = ckpt["rank_states"]
     if not (isinstance(states, list) and len(states) == ckpt["world_size"]):
@@ -350,12 +354,14 @@ def run_is_done(progress: Progress, epochs: int, max_steps: int) -> bool:
     return progress.epoch > epochs or (max_steps > 0 and progress.step >= max_steps)
 
 
-def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: int, max_steps: int,
-                classes: tuple[str, ...] | None = None,
+def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, *, global_batch: int, epochs: int,
+                max_steps: int, classes: tuple[str, ...] | None = None,
                 shape: tuple[int, int, int] | None = None) -> tuple[Progress, torch.Tensor]:
     """Load a checkpoint rank 0 chose into `state` (the recipe's model, optimizer, ...);
     returns where to go on and this rank's loss sums of the epoch in progress. A checkpoint
-    of other `classes` (another image folder) or of images of another `shape` is refused."""
+    of other `classes` (another image folder) or of images of another `shape` is refused.
+    At another world size with the same `global_batch`, the run goes on at the saved step:
+    each global batch holds the same images at any world size (mnist_ddp.epoch_shard)."""
     # Read onto the CPU: load_state_dict places each tensor beside its parameter (the fused
     # AdamW's step counts too, which its kernel reads on the parameters' device).
     ckpt = read_checkpoint(path, "cpu")
@@ -375,22 +381,44 @@ def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, epochs: in
             thing.load_state_dict(ckpt[name])
     progress = Progress(**ckpt["progress"])
     loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
-    if ckpt["world_size"] == rt.world_size:
-        state = ckpt["rank_states"][rt.rank]
-        torch.set_rng_state(state["cpu_rng"].cpu())
-        if state["cuda_rng"] is not None and rt.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), rt.device)
-        loss_sum.copy_(state["loss_sum"])
-    elif not (progress.finished and run_is_done(progress, epochs, max_steps)):
-        # Other shards, other batches: restart the interrupted epoch with the saved weights,
-        # its steps counted on from where it began (past every step logged before it).
+    states, saved_ranks = ckpt["rank_states"], ckpt["world_size"]
+    if saved_ranks == rt.world_size:
+        set_rng_state(states[rt.rank], rt.device)
+        loss_sum.copy_(states[rt.rank]["loss_sum"])
+    elif progress.finished and run_is_done(progress, epochs, max_steps):
+        pass  # nothing left to train
+    elif ckpt.get("global_batch") == global_batch:
+        # The same batches: rank 0 carries every saved rank's loss sums of the epoch on (the
+        # epoch's loss adds them all up), each rank a saved rank's random state (dropout then
+        # draws other masks than the run that kept its world size would).
+        set_rng_state(states[rt.rank % saved_ranks], rt.device)
+        if rt.is_main:
+            loss_sum.copy_(sum(s["loss_sum"] for s in states))
+            print(f"{path} was written by {saved_ranks} ranks, this run has {rt.world_size}: the same global batch of "
+                  f"{global_batch}, so the run goes on at step {progress.step} (epoch {progress.epoch}, step "
+                  f"{progress.step_in_epoch} of it)", flush=True)
+    else:
+        # Other batches (--batch-size, or a checkpoint from before the global batch was saved):
+        # restart the interrupted epoch with the saved weights, its steps counted on from where
+        # it began (past every step logged before it).
         start = progress.step - progress.step_in_epoch
         record = progress.last_record if progress.last_record.get("step", 0) <= start else {}  # not evaluated here
         progress = Progress(progress.epoch, 0, start, record)
         if rt.is_main:
-            print(f"warning: {path} was written by {ckpt['world_size']} ranks, this run has {rt.world_size}: "
-                  f"the data order changed; continuing from the start of epoch {progress.epoch}", file=sys.stderr)
+            if "global_batch" in ckpt:
+                why = f"its global batch was {ckpt['global_batch']}, this run's is {global_batch} (--batch-size per rank)"
+            else:
+                why = "the data order changed"
+            print(f"warning: {path} was written by {saved_ranks} ranks, this run has {rt.world_size}: {why}; "
+                  f"continuing from the start of epoch {progress.epoch}", file=sys.stderr)
     return progress, loss_sum
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """A rank's random state (dropout's draws) as a checkpoint saved it."""
+    torch.set_rng_state(state["cpu_rng"].cpu())
+    if state["cuda_rng"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
 
 
 def refuse_other_data(path: Path, ckpt: dict, classes: tuple[str, ...] | None,

@@ -165,11 +165,12 @@ class Job:
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
 
-    def start_run(self, state: Mapping[str, object], *, images_per_rank: int, batch_size: int, epochs: int,
+    def start_run(self, state: Mapping[str, object], *, images: int, batch_size: int, epochs: int,
                   max_steps: int, hparams: HParams, classes: tuple[str, ...],
                   on_divergence: Mapping[str, str], shape: tuple[int, int, int] | None = None) -> TrainingRun:
         """Claim the run's directory, resume from its newest checkpoint (into `state`: the
-        recipe's model, optimizer, ... by name) and start its log. `epochs` and `max_steps`
+        recipe's model, optimizer, ... by name) and start its log. `images` is the training
+        set's size, `batch_size` this rank's share of a step. `epochs` and `max_steps`
         are the recipe's --epochs and --max-steps; `on_divergence` the options that the
         advice after a divergence changes (e.g. {"lr": "0.001"}); `shape` the images' (C, H, W),
         which the checkpoints record and a resume compares. Raises AlreadyComplete
@@ -177,8 +178,9 @@ class Job:
         rt = self.rt
         self.on_divergence = on_divergence
         self.claim_run_dir()
-        steps_per_epoch = math.ceil(images_per_rank / batch_size)
-        ckpt_path, changed, loss_sums = self.resume(state, epochs, max_steps, classes, shape)
+        global_batch = batch_size * rt.world_size
+        steps_per_epoch = math.ceil(images / global_batch)  # (the last global batch is filled up: epoch_shard)
+        ckpt_path, changed, loss_sums = self.resume(state, global_batch, epochs, max_steps, classes, shape)
         progress = self.progress
         schedule_offset, total_steps = schedule_of(progress, steps_per_epoch, epochs, max_steps)
         peers, attempt_started = self.meet_the_other_ranks()
@@ -191,11 +193,11 @@ class Job:
         saved_options = {**dataclasses.asdict(self.recipe), **dataclasses.asdict(self.options)}
         if rt.is_main:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
-        self.describe_run(images_per_rank, batch_size, steps_per_epoch, total_steps + schedule_offset, ckpt_path)
+        self.describe_run(batch_size, steps_per_epoch, total_steps + schedule_offset, ckpt_path)
         time_limit = self.watch_time_limit() if rt.is_main else None
         self.run = new_run(options=self.options, rt=rt, stop=self.stop, run_dir=self.run_dir, state=state,
                            saved_options=saved_options, classes=classes, progress=progress, loss_sums=loss_sums,
-                           epochs=epochs, max_steps=max_steps, steps_per_epoch=steps_per_epoch,
+                           epochs=epochs, max_steps=max_steps, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
                            schedule_offset=schedule_offset, total_steps=total_steps, logger=self.logger,
                            startup=self.startup if rt.is_main else None, time_limit=time_limit, shape=shape,
                            hosts=hosts)
@@ -213,8 +215,8 @@ class Job:
             for path in remove_stale_temporaries(self.run_dir):
                 print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
 
-    def resume(self, state: Mapping[str, object], epochs: int, max_steps: int, classes: tuple[str, ...],
-               shape: tuple[int, int, int] | None) -> tuple[str, str, torch.Tensor]:
+    def resume(self, state: Mapping[str, object], global_batch: int, epochs: int, max_steps: int,
+               classes: tuple[str, ...], shape: tuple[int, int, int] | None) -> tuple[str, str, torch.Tensor]:
         """Load the checkpoint every rank agreed on into `state` and self.progress: (its path or
         "", the options --allow-changes let differ, this rank's loss sums). Raises
         AlreadyComplete when it finished the run."""
@@ -223,7 +225,8 @@ class Job:
                                                  changeable(type(recipe)), rt, self.run_dir)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
-            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, epochs, max_steps, classes=classes, shape=shape)
+            progress, loss_sums = resume_from(Path(ckpt_path), state, rt, global_batch=global_batch, epochs=epochs,
+                                              max_steps=max_steps, classes=classes, shape=shape)
         self.progress = progress
         if progress.finished and run_is_done(progress, epochs, max_steps):
             longer = {"epochs": str(epochs + 4)} if progress.epoch > epochs else {}
@@ -271,14 +274,14 @@ class Job:
                                 step, classes, options.log_every, options.progress_every, note=note)
         record_continue_command(self.launch, self.continue_command())
 
-    def describe_run(self, images_per_rank: int, batch_size: int, steps_per_epoch: int, steps_in_all: int,
-                     ckpt_path: str) -> None:
+    def describe_run(self, batch_size: int, steps_per_epoch: int, steps_in_all: int, ckpt_path: str) -> None:
         """Each rank's line (host, device, its share, threads), and rank 0's: the global batch,
         the steps, the checkpoint resumed from."""
         rt, launch, progress = self.rt, self.launch, self.progress
         cpus, threads = usable_cpus(), torch.get_num_threads()
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
-              f"{images_per_rank} images, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs", flush=True)
+              f"{batch_size} images a step, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs",
+              flush=True)
         if threads > cpus:
             print(f"warning{self.who}: {threads} threads share {cpus} CPUs, which slows every step; under Slurm export "
                   "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (run_training.sbatch does), or set OMP_NUM_THREADS", flush=True)

@@ -69,7 +69,7 @@ def save(run_dir, step: int, recipe: dict = RECIPE, keep: int = 10, state: dict 
         state = {"model": model, "optimizer": optimizer, "average": None}
     loss_sum = torch.zeros(2, dtype=torch.float64) if loss_sum is None else loss_sum
     return save_checkpoint(run_dir, recipe, classes, state, ONE, Progress(epoch=1, step_in_epoch=step, step=step), loss_sum,
-                           keep, shape=shape)
+                           keep, global_batch=128, shape=shape)
 
 
 def names(folder) -> list[str]:
@@ -345,7 +345,7 @@ def test_a_checkpoint_from_before_classes_shape_and_finished_were_saved_still_lo
     torch.save(old, path)
     model, optimizer = model_and_optimizer()
     assert find_checkpoint("auto", False, RECIPE, CHANGEABLE, tmp_path) == (path, "")
-    progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3,
+    progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, global_batch=128, epochs=3,
                               max_steps=0, classes=("cat", "dog"), shape=(1, 28, 28))
     assert progress == Progress(epoch=1, step_in_epoch=2, step=2, finished=False)
 
@@ -360,7 +360,7 @@ def test_resume_from_loads_each_thing_by_name(tmp_path):
     rng_after_save = torch.rand(3)  # what the saved RNG state draws next
 
     fresh, fresh_optimizer = model_and_optimizer(lr=0.5, weight_decay=0.2, seed=1)  # other weights, other settings
-    progress, loss_sum = resume_from(path, {"model": fresh, "optimizer": fresh_optimizer, "average": None}, ONE,
+    progress, loss_sum = resume_from(path, {"model": fresh, "optimizer": fresh_optimizer, "average": None}, ONE, global_batch=128,
                                      epochs=3, max_steps=0)
     assert progress == Progress(epoch=1, step_in_epoch=6, step=6)
     assert torch.equal(loss_sum, torch.tensor([1.5, 4.0], dtype=torch.float64))
@@ -377,7 +377,7 @@ def test_resume_from_refuses_a_model_whose_shapes_differ(tmp_path):
     path = save(tmp_path, 2)
     wider, optimizer = model_and_optimizer(out=4)
     with pytest.raises(UsageError) as refused:
-        resume_from(path, {"model": wider, "optimizer": optimizer}, ONE, epochs=3, max_steps=0)
+        resume_from(path, {"model": wider, "optimizer": optimizer}, ONE, global_batch=128, epochs=3, max_steps=0)
     assert str(refused.value) == (f"checkpoint {path} does not fit this model (weight has shape [2, 3] there, [4, 3] "
                                   "here): the model's code changed since it was saved. Pass another --run-name to train "
                                   "the changed model afresh, or undo the change to resume this run")
@@ -387,7 +387,7 @@ def test_resume_from_refuses_a_thing_the_checkpoint_does_not_hold(tmp_path):
     path = save(tmp_path, 2)  # its "average" is None
     model, _ = model_and_optimizer()
     with pytest.raises(UsageError) as refused:
-        resume_from(path, {"model": model, "average": model_and_optimizer()[0]}, ONE, epochs=3, max_steps=0)
+        resume_from(path, {"model": model, "average": model_and_optimizer()[0]}, ONE, global_batch=128, epochs=3, max_steps=0)
     assert str(refused.value) == (f"checkpoint {path} holds no average: the recipe's code changed since it was saved. "
                                   "Pass another --run-name to train afresh, or undo the change to resume this run")
 
@@ -398,11 +398,11 @@ def test_resume_from_refuses_a_checkpoint_of_other_classes(tmp_path):
     path = save(tmp_path, 2, classes=("cat", "dog"))
     model, optimizer = model_and_optimizer()
     with pytest.raises(UsageError) as refused:
-        resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3, max_steps=0,
+        resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, global_batch=128, epochs=3, max_steps=0,
                     classes=("dog", "cat"))
     assert str(refused.value) == (f"checkpoint {path} was trained on other classes (cat, dog) than this data has (dog, "
                                   "cat): pass the data it was trained on, or another --run-name to start afresh")
-    progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, epochs=3,
+    progress, _ = resume_from(path, {"model": model, "optimizer": optimizer, "average": None}, ONE, global_batch=128, epochs=3,
                               max_steps=0, classes=("cat", "dog"))
     assert progress.step == 2
 
@@ -418,10 +418,10 @@ def test_resume_from_refuses_images_of_another_shape_in_one_line(tmp_path, here,
     model, optimizer = model_and_optimizer()
     state = {"model": model, "optimizer": optimizer, "average": None}
     with pytest.raises(UsageError) as refused:
-        resume_from(path, state, ONE, epochs=3, max_steps=0, shape=here)
+        resume_from(path, state, ONE, global_batch=128, epochs=3, max_steps=0, shape=here)
     assert str(refused.value) == (f"checkpoint {path} was trained on images of 1x28x28 (channels x height x width) and "
                                   f"this data's are {says}, or another --run-name to start afresh")
-    assert resume_from(path, state, ONE, epochs=3, max_steps=0, shape=(1, 28, 28))[0].step == 2
+    assert resume_from(path, state, ONE, global_batch=128, epochs=3, max_steps=0, shape=(1, 28, 28))[0].step == 2
 
 
 def test_a_checkpoint_from_before_an_option_existed_is_compared_on_what_it_knew():

@@ -173,7 +173,7 @@ def test_three_ranks_evaluate_every_test_image_once(workdir):
                           cwd=workdir)
     for result in results:
         assert_ok(result)
-    assert "1333 images" in results[0].stdout  # 4000 // 3 training images per rank
+    assert "32 images a step, 42 steps per epoch" in results[0].stdout  # 4000 / 96, the last batch filled up
     assert read_metrics(workdir / "runs" / "three")[0]["test_images"] == 1000
 
 
@@ -235,20 +235,30 @@ def test_batch_jobs_print_progress_lines(workdir):
     assert "(step 5 in all)" not in quiet.stdout
 
 
-@pytest.mark.parametrize("n", [4000, 4001, 4003, 10, 7])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
-def test_epoch_shards_are_disjoint_and_equally_long_when_the_set_does_not_divide(n, world_size):
-    """Every rank runs the same number of steps (or a collective waits forever), and no
-    image is trained twice in an epoch: the shards are disjoint and of one length, n //
-    world_size, with fewer than world_size images left out; each epoch's order differs."""
+def global_batches(n: int, epoch: int, world_size: int, batch_size: int) -> list[list[tuple[int, int, int]]]:
+    """Each step's images over all ranks, each with its (down, right) shift, as the ranks take them."""
+    shards = [mnist_ddp.epoch_shard(n, epoch, 5, rank=rank, world_size=world_size, batch_size=batch_size)
+              for rank in range(world_size)]
+    assert len({len(shard) for shard in shards}) == 1  # every rank runs the same number of steps
+    shifts = mnist_ddp.epoch_shifts(n, epoch=epoch, seed=5, fraction=0.5)
+    return [sorted((i, *shifts[:, i].tolist()) for shard in shards for i in shard[k * batch_size: (k + 1) * batch_size].tolist())
+            for k in range(len(shards[0]) // batch_size)]
+
+
+@pytest.mark.parametrize("n", [4000, 1000, 1003, 24, 7])
+def test_every_global_batch_holds_the_same_images_with_the_same_shifts_on_1_2_3_4_or_8_ranks(n):
+    """A global batch of 24 on 1, 2, 3, 4 or 8 ranks: step k trains the same images, each
+    shifted alike, so a run saved on N ranks goes on in mid-epoch on M. Every image comes
+    once in an epoch, the last batch filled up with the epoch's first ones; each epoch's
+    order differs."""
     for epoch in (1, 2):
-        shards = [mnist_ddp.epoch_shard(n, epoch, 0, rank, world_size) for rank in range(world_size)]
-        assert {len(shard) for shard in shards} == {n // world_size}
-        together = torch.cat(shards)
-        assert len(set(together.tolist())) == len(together) and together.min() >= 0 and together.max() < n
-        assert n - len(together) < world_size
-    first, second = (mnist_ddp.epoch_shard(n, epoch, 0, 0, world_size) for epoch in (1, 2))
-    assert len(first) < 2 or not torch.equal(first, second)
+        alone = global_batches(n, epoch, 1, 24)
+        assert len(alone) == -(-n // 24) and all(len(batch) == 24 for batch in alone)
+        for world_size in (2, 3, 4, 8):
+            assert global_batches(n, epoch, world_size, 24 // world_size) == alone, world_size
+        order = mnist_ddp.epoch_shard(n, epoch, 5, rank=0, world_size=1, batch_size=24).tolist()
+        assert sorted(order[:n]) == list(range(n)) and order[n:] == order[:len(order) - n]
+    assert global_batches(n, 1, 1, 24) != global_batches(n, 2, 1, 24)
 
 
 def test_the_order_of_a_seed_stays_the_same_from_one_version_to_the_next():
@@ -256,8 +266,9 @@ def test_the_order_of_a_seed_stays_the_same_from_one_version_to_the_next():
     that draws it changed between the save and the resume, some images would be trained
     twice in that epoch and others not at all. So the order of a seed is pinned here, and
     the shifts of the augmentation with it."""
-    assert [mnist_ddp.epoch_shard(10, 1, 0, rank, 2).tolist() for rank in (0, 1)] == [[5, 1, 0, 9, 7], [6, 2, 8, 3, 4]]
-    assert mnist_ddp.epoch_shard(10, 2, 3, 0, 1).tolist() == [0, 7, 1, 6, 3, 8, 9, 4, 2, 5]
+    assert [mnist_ddp.epoch_shard(10, 1, 0, rank=rank, world_size=2, batch_size=5).tolist() for rank in (0, 1)] == [
+        [5, 1, 0, 9, 7], [6, 2, 8, 3, 4]]
+    assert mnist_ddp.epoch_shard(10, 2, 3, rank=0, world_size=1, batch_size=10).tolist() == [0, 7, 1, 6, 3, 8, 9, 4, 2, 5]
     assert mnist_ddp.epoch_shifts(12, epoch=3, seed=2, fraction=0.5).tolist() == [
         [-1, -1, 0, 1, 0, -1, 1, 0, 1, 1, 0, 0], [1, -1, -1, 0, 0, -1, 1, -1, 0, 1, 0, 0]]
 

@@ -67,7 +67,7 @@ def make_run(tmp_path, stop, *, ckpt_every=2, epochs=2, max_steps=0, steps_per_e
     return training_run.new_run(options=run_options, rt=rt, stop=stop, run_dir=tmp_path, state=state,
                                 saved_options={"lr": 0.01}, classes=("a", "b"), progress=progress or Progress(),
                                 loss_sums=torch.zeros(2, dtype=torch.float64), epochs=epochs, max_steps=max_steps,
-                                steps_per_epoch=steps_per_epoch, schedule_offset=schedule_offset,
+                                steps_per_epoch=steps_per_epoch, global_batch=8, schedule_offset=schedule_offset,
                                 total_steps=epochs * steps_per_epoch, logger=logger or NullLogger(), startup=startup,
                                 time_limit=time_limit, shape=shape)
 
