@@ -450,11 +450,11 @@ def prepare_and_train(job: jobs.Job) -> None:
         if options.download_only:
             print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
             return
-        batch_size = recipe.per_rank_batch(rt.world_size)  # (a global batch that does not split stops here)
+        recipe.per_rank_batch(rt.world_size)  # (a global batch that does not split stops here, before the data)
         train_set, test_set = read_data(recipe, options, data_dir, job)
     model, raw_model, optimizer, average = build_training(recipe, options, rt, train_set)
     run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},
-                        images=len(train_set), batch_size=batch_size,
+                        images=len(train_set), split=recipe.per_rank_batch,
                         epochs=recipe.epochs, max_steps=recipe.max_steps, hparams=hparams(recipe, options, rt.world_size),
                         classes=train_set.classes, shape=train_set.shape, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
     train(run, recipe=recipe, options=options, rt=rt, model=model, raw_model=raw_model, optimizer=optimizer,

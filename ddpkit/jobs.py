@@ -62,7 +62,7 @@ from ddpkit.options import RunOptions, changeable, flag, option_args, parse_opti
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
-from ddpkit.slurm_job import requeue_job
+from ddpkit.slurm_job import WORLD_SIZES, requeue_job
 from ddpkit.time_limit import TimeLimit, read_job_times
 from ddpkit.training_run import TrainingRun, new_run
 
@@ -143,6 +143,16 @@ def schedule_of(progress: Progress, steps_per_epoch: int, epochs: int, max_steps
     return schedule_offset, total_steps
 
 
+def world_sizes(split: Callable[[int], int], most: int) -> list[int]:
+    """The world sizes up to `most` among which `split` divides a step's images."""
+    fits = []
+    for ranks in range(1, most + 1):
+        with contextlib.suppress(UsageError):
+            split(ranks)
+            fits.append(ranks)
+    return fits
+
+
 @dataclasses.dataclass
 class Job:
     """This process's part of the job: the options, where it stands in the job, the process
@@ -165,12 +175,13 @@ class Job:
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
 
-    def start_run(self, state: Mapping[str, object], *, images: int, batch_size: int, epochs: int,
+    def start_run(self, state: Mapping[str, object], *, images: int, split: Callable[[int], int], epochs: int,
                   max_steps: int, hparams: HParams, classes: tuple[str, ...],
                   on_divergence: Mapping[str, str], shape: tuple[int, int, int] | None = None) -> TrainingRun:
         """Claim the run's directory, resume from its newest checkpoint (into `state`: the
         recipe's model, optimizer, ... by name) and start its log. `images` is the training
-        set's size, `batch_size` this rank's share of a step. `epochs` and `max_steps`
+        set's size; `split(n)` each of n ranks' share of a step's images (raising UsageError
+        when they cannot split them), the recipe's rule. `epochs` and `max_steps`
         are the recipe's --epochs and --max-steps; `on_divergence` the options that the
         advice after a divergence changes (e.g. {"lr": "0.001"}); `shape` the images' (C, H, W),
         which the checkpoints record and a resume compares. Raises AlreadyComplete
@@ -178,6 +189,7 @@ class Job:
         rt = self.rt
         self.on_divergence = on_divergence
         self.claim_run_dir()
+        batch_size = split(rt.world_size)
         global_batch = batch_size * rt.world_size
         steps_per_epoch = math.ceil(images / global_batch)  # (the last global batch is filled up: epoch_shard)
         ckpt_path, changed, loss_sums = self.resume(state, global_batch, epochs, max_steps, classes, shape)
@@ -193,6 +205,8 @@ class Job:
         saved_options = {**dataclasses.asdict(self.recipe), **dataclasses.asdict(self.options)}
         if rt.is_main:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
+            # (for the job's supervisor, which goes on with fewer ranks after it lost nodes)
+            write_exit_file(self.launch, WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
         self.describe_run(batch_size, steps_per_epoch, total_steps + schedule_offset, ckpt_path)
         time_limit = self.watch_time_limit() if rt.is_main else None
         self.run = new_run(options=self.options, rt=rt, stop=self.stop, run_dir=self.run_dir, state=state,

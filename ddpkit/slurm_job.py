@@ -3,8 +3,8 @@ setup has run and the Python environment is active. It reads the settings (envir
 variables, listed in docs/clusters.md), keeps a copy of the code the job runs, checks the
 ranks' interpreter (PREFLIGHT), starts the ranks as one srun step (or one torchrun per node),
 decides from their exit codes what happened (settle), starts the step again after a killed
-rank or a lost peer, requeues the job after a stop that asks for it, and prints the line
-that continues the run.
+rank or a lost peer (on the nodes left, with MIN_NODES, when a node was lost), requeues the
+job after a stop that asks for it, and prints the line that continues the run.
 
 It runs on the host with the python3 on the PATH (the active environment's, else the
 node's), outside the container when the ranks run in one (srun, scontrol and scancel are on
@@ -50,7 +50,7 @@ SIGNALS = ("USR1", "TERM", "HUP", "INT")
 # The settings a job passes on to the one that continues it, as they were given (the
 # directories and the run's name follow from these and are added to the line too).
 PASSED_ON = ("PROJECT_DIR", "SCRIPT", "SETUP", "CONDA_ENV", "VENV", "PYTHON", "NODE_DATA_DIR", "LAUNCHER",
-             "MAX_RESTARTS", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CONTAINER",
+             "MAX_RESTARTS", "MIN_NODES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CONTAINER",
              "CONTAINER_RUNTIME", "CONTAINER_CMD", "SIGNAL")
 
 
@@ -172,6 +172,7 @@ class Settings:
     node_data_dir = python = environment = batch_file = job = ""
     check = interactive = False
     max_restarts = master_port = ntasks = nodes = tasks_per_node = 0
+    job_nodes = min_nodes = 0  # the nodes the job was given; the fewest it goes on with after losing some
     container = []  # type: List[str]      # words before each rank's command (Apptainer, Singularity, CONTAINER_CMD)
     container_srun = []  # type: List[str]  # srun's own options (Pyxis)
     container_desc = "none"
@@ -244,6 +245,10 @@ def read_settings(env: Mapping[str, str], project: str, batch_file: str, environ
     s.ntasks = int(env.get("SLURM_NTASKS", "1"))
     s.nodes = int(env.get("SLURM_JOB_NUM_NODES", "1"))
     s.tasks_per_node = int(env.get("SLURM_NTASKS_PER_NODE") or s.ntasks // s.nodes)
+    s.job_nodes, s.min_nodes = s.nodes, decimal(env, "MIN_NODES", 1, s.nodes, s.nodes)
+    if s.min_nodes < s.nodes and s.launcher != "srun":
+        raise JobError(f"MIN_NODES={env['MIN_NODES']} is for LAUNCHER=srun: under torchrun, its agents restart the "
+                       "workers themselves; unset MIN_NODES or LAUNCHER")
     read_container(s, env)
     if s.sweep_file:
         read_sweep_task(s, env)
@@ -467,6 +472,8 @@ def step_command(s: Settings, task_file: str, train: List[str], launcher: str = 
     becomes the training process (srun) or the node's torchrun agent."""
     launcher = launcher or s.launcher
     srun = ["srun", "--label", "--kill-on-bad-exit=1"]
+    if s.nodes < s.job_nodes:  # going on with the nodes left after a node was lost (MIN_NODES)
+        srun += [f"--nodes={s.nodes}", f"--ntasks={s.ntasks}"]
     if launcher == "torchrun":
         # One torchrun per node starts tasks_per_node workers; c10d rendezvous on the first
         # node. Its agents restart all workers when one fails, MAX_RESTARTS times at most.
@@ -591,6 +598,25 @@ def read_codes(directory: str) -> Dict[int, str]:
             except OSError:
                 pass
     return codes
+
+
+WORLD_SIZES = "world-sizes"  # rank 0's list, in the job's folder, of the world sizes the run's batch splits among
+
+
+def read_world_sizes(directory: str, ntasks: int) -> List[int]:
+    """The world sizes rank 0 left in the job's folder; without them, the divisors of the
+    world size (a global batch split among ntasks ranks splits among those too)."""
+    try:
+        with open(os.path.join(directory, WORLD_SIZES)) as file:
+            return [int(word) for word in file.read().split()]
+    except (OSError, ValueError):
+        return [n for n in range(1, ntasks + 1) if ntasks % n == 0]
+
+
+def nodes_to_go_on_with(held: int, min_nodes: int, tasks_per_node: int, world_sizes: List[int]) -> int:
+    """The most of the `held` nodes, and at least min_nodes, whose ranks are a world size the
+    run's batch splits among; 0 when there are none."""
+    return next((n for n in range(held, min_nodes - 1, -1) if n * tasks_per_node in world_sizes), 0)
 
 
 # ----------------------------------------------------------------------------- the rendezvous
@@ -802,19 +828,45 @@ class Supervisor:
                 print(outcome.note, flush=True)
             if not (s.launcher == "srun" and outcome.retry and attempt < attempts):
                 break
+            fewer = self.nodes_held_now(outcome)
+            if fewer is None:
+                break  # (too few nodes left: requeued, or it could not be)
             print(f"ATTEMPT {attempt + 1}/{attempts} after exit {outcome.status} ({outcome.why}): starting the step "
-                  "again in this allocation; it resumes from the newest checkpoint", flush=True)
+                  f"again in this allocation{fewer}; it resumes from the newest checkpoint", flush=True)
         self.stop_monitor()
         if outcome.status == EXIT_STOPPED and os.path.exists(os.path.join(s.job_dir, "requeue")):
-            self.requeue()
-        return self.end(outcome, attempts)
+            with open(os.path.join(s.job_dir, "requeue")) as file:
+                self.requeue(file.read().strip())
+        return self.end(outcome, attempt)
 
-    def requeue(self) -> None:
-        """The ranks saved and stopped on a signal that asks for a requeue: requeue the job. Slurm
-        then ends this process too, and runs the job again with the same id."""
+    def nodes_held_now(self, outcome: Outcome) -> Optional[str]:
+        """After a step that a restart may fix: the nodes Slurm still gives the job (a lost node
+        leaves a job submitted with --no-kill running without it). With all of them, "": the
+        step starts again as it was. With fewer, and MIN_NODES and the run's batch allowing
+        it, the step goes on with the most of them it can use (what the ATTEMPT line adds);
+        with too few, the job is requeued (None; None too if Slurm would not)."""
         s = self.s
-        with open(os.path.join(s.job_dir, "requeue")) as file:
-            after = file.read().strip()
+        fields = job_fields(show_job(s.job))
+        held = re.match(r"\d+", fields.get("NumNodes", ""))
+        if not held or int(held.group()) >= s.nodes:
+            return ""
+        held_nodes, nodes = int(held.group()), s.nodes
+        go_on = nodes_to_go_on_with(held_nodes, s.min_nodes, s.tasks_per_node, read_world_sizes(s.job_dir, s.ntasks))
+        lost = f"the job holds {held_nodes} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
+        if not go_on:
+            why = f"fewer than MIN_NODES={s.min_nodes}" if held_nodes < s.min_nodes else \
+                f"no world size of {s.tasks_per_node} rank(s) a node on {s.min_nodes}-{held_nodes} nodes splits the batch"
+            self.stop_monitor()
+            self.requeue(f"exit {outcome.status}: {lost}, {why}")
+            return None
+        s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
+        return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s) instead of {nodes * s.tasks_per_node}"
+
+    def requeue(self, after: str) -> None:
+        """Requeue the job (the ranks saved and stopped on a signal that asks for it, or too few
+        nodes are left). Slurm then ends this process too, and runs the job again with the same
+        id, on as many nodes as it asked for."""
+        s = self.s
         if s.interactive:
             print(f"Slurm job {s.job} is an interactive allocation (salloc), which Slurm does not requeue")
             return

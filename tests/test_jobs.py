@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.jobs import continue_command, launcher_words
+from ddpkit.jobs import continue_command, launcher_words, world_sizes
 from ddpkit.launch import Launch
 from ddpkit.options import RunOptions, parse_options
 from mnist_ddp import Recipe
@@ -104,3 +104,10 @@ def test_the_printed_command_parses_back_to_the_same_run(tmp_path, monkeypatch):
     recipe, options = parse_options(Recipe, words[words.index("mnist_ddp.py") + 1:])
     assert recipe == Recipe(epochs=5, lr=0.01)
     assert options == RunOptions(amp=True, run_name="exp-1", log_dir="logs", data_dir="/shared/data", allow_changes=True)
+
+
+def test_the_world_sizes_rank_0_lists_are_those_the_recipe_splits_its_batch_among():
+    """The recipe's own rule decides: its global batch of 96 splits among 1, 2, 3, 4, 6 and 8
+    of 8 ranks; --batch-size N per rank among any number."""
+    assert world_sizes(Recipe(global_batch=96).per_rank_batch, 8) == [1, 2, 3, 4, 6, 8]
+    assert world_sizes(Recipe(batch_size=5).per_rank_batch, 5) == [1, 2, 3, 4, 5]

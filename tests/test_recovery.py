@@ -1,7 +1,8 @@
 """Failures that heal by themselves, with real processes, real signals and a real Slurm
 (local-slurm.sh): a rank SIGKILLed twice in one job, a rank frozen with SIGSTOP, a
 crash loop, failures that must not be retried, a torchrun worker killed across two
-nodes, and a whole node lost from a three-node cluster. Also, at unit level: what a lost
+nodes, a whole node lost from a three-node cluster (the job requeued onto the nodes left,
+or with MIN_NODES going on with the node it still holds). Also, at unit level: what a lost
 peer says, and --ckpt-minutes with a fake clock (which outcomes the job retries:
 tests/test_slurm_job.py).
 
@@ -361,6 +362,47 @@ def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path)
     assert re.search(r"^0: resumed from \S+: epoch \d, step \d+ \(attempt 2/4, requeued 0x\)", out, re.M), out[-3000:]
     assert re.search(r"^END .* exit=0$", out, re.M)
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "elastic")] == list(range(1, 7))
+
+
+def test_a_job_that_loses_a_node_goes_on_with_the_node_left_at_half_the_world_size(three_nodes, tmp_path):
+    """MIN_NODES=1, --no-kill: a 2-node job's second node drops off the network (its link down)
+    and its rank is killed. Slurm declares the node down and leaves the job the first one;
+    the supervisor starts the step there with 1 rank, which goes on in mid-epoch from the
+    checkpoint of 2 with the same global batch, and the job ends with exit 0, each epoch
+    logged once, within 0.3 points of the accuracy of a run that lost nothing."""
+    args = ["--ckpt-every", "10", "--epochs", "4"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
+                                           "--no-kill"], args, RUN_NAME="shrunk", MIN_NODES="1")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    first, node = (re.search(rf"^{r}: \[rank {r}/2\] (\S+) ", output_of(tmp_path), re.M).group(1) for r in (0, 1))
+    link = ["ip", "-n", f"{node[:-2]}-ctl", "link", "set", f"v{node[-1]}"]  # (local-slurm.sh's names: ftn2 is v2 in ft-ctl)
+    subprocess.run([*link, "down"], check=True)
+    try:
+        lost = signal_rank("shrunk", 1, signal.SIGKILL)
+        went_on = wait_for(tmp_path, r"^ATTEMPT 2/4 after exit .*: the job holds 1 of its 2 nodes", timeout=300)
+        job_id, out = finish(client, tmp_path)
+        ended = time.monotonic()
+    finally:
+        subprocess.run([*link, "up"], check=True)
+    print(f"\nnode lost at 0 s; the job went on with 1 node at {went_on - lost:.1f} s; it finished at {ended - lost:.1f} s")
+    shrunk = re.search(r"^ATTEMPT 2/4 after exit .*$", out, re.M).group(0)
+    print(shrunk)
+    assert shrunk.endswith(f"the job holds 1 of its 2 nodes ({first}), so on 1 node(s) with 1 rank(s) "
+                           "instead of 2; it resumes from the newest checkpoint"), shrunk
+    assert re.search(r"^0: global batch 128 \(1 x 128\)", out, re.M), out[-3000:]
+    assert re.search(r"^0: \S+ckpt-\d+\.pt was written by 2 ranks, this run has 1: the same global batch of 128, so the run "
+                     r"goes on at step \d+", out, re.M), out[-3000:]
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    run_dir = tmp_path / "runs" / "shrunk"
+    metrics = read_metrics(run_dir)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
+    assert not (run_dir / "checkpoints" / "superseded").exists()
+    healthy = subprocess.run([sys.executable, str(LOCAL_SLURM.parent / "mnist_ddp.py"), *args, "--run-dir", "healthy"],
+                             cwd=tmp_path, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    assert healthy.returncode == 0, healthy.stderr[-2000:]
+    accuracy, expected = metrics[-1]["test_accuracy"], read_metrics(tmp_path / "healthy")[-1]["test_accuracy"]
+    print(f"accuracy {accuracy:.4f}, a run that lost nothing {expected:.4f}")
+    assert abs(accuracy - expected) <= 0.003
 
 
 def test_a_lost_node_requeues_the_job_onto_the_nodes_left(three_nodes, tmp_path):

@@ -64,6 +64,10 @@ def test_defaults_follow_the_shared_directory_and_the_job(tmp_path):
     ({"CONTAINER": "x.sif", "CONTAINER_CMD": "podman run"}, "set CONTAINER (with CONTAINER_RUNTIME) or CONTAINER_CMD, not both"),
     ({"CONTAINER": "x.sif", "CONTAINER_RUNTIME": "docker"}, "CONTAINER_RUNTIME must be apptainer, singularity or pyxis"),
     ({"SWEEP_FILE": "lr.txt"}, "SWEEP_FILE is set but this is not an array job; submit it with: "),
+    ({"MIN_NODES": "3"}, "MIN_NODES must be a number from 1 to 2, got '3'"),
+    ({"MIN_NODES": "0"}, "MIN_NODES must be a number from 1 to 2, got '0'"),
+    ({"MIN_NODES": "1", "LAUNCHER": "torchrun"}, "MIN_NODES=1 is for LAUNCHER=srun: under torchrun, its agents restart "
+                                                 "the workers themselves; unset MIN_NODES or LAUNCHER"),
 ])
 def test_a_wrong_setting_is_one_line_naming_it(tmp_path, env, error):
     with pytest.raises(JobError) as raised:
@@ -143,6 +147,24 @@ def test_the_srun_step_starts_every_rank_through_the_task_entry(tmp_path):
         "srun", "--label", "--kill-on-bad-exit=1", "/v/bin/python", "/code/ddpkit/slurm_job.py", "task", "train",
         "/code/mnist_ddp.py", "--data-dir", f"{tmp_path}/data", "--log-dir", f"{tmp_path}/runs", "--run-name", "job-77",
         "--node-data-dir", "$TMPDIR/data", "--epochs", "2"]
+
+
+def test_after_a_lost_node_the_step_goes_on_with_the_most_nodes_the_batch_splits_among(tmp_path):
+    """MIN_NODES=1 on 2 nodes x 2 tasks: with 1 node left, 2 ranks if the batch splits among
+    them, none if it does not; without rank 0's list, the divisors of the world size. The
+    step then asks srun for that many nodes and tasks (its variables still say 2 and 4)."""
+    s = settings(tmp_path, MIN_NODES="01")
+    assert (s.job_nodes, s.min_nodes, settings(tmp_path).min_nodes) == (2, 1, 2)
+    assert slurm_job.nodes_to_go_on_with(1, 1, 2, [1, 2, 4]) == 1
+    assert slurm_job.nodes_to_go_on_with(1, 1, 2, [1, 4]) == 0
+    assert slurm_job.nodes_to_go_on_with(1, 2, 2, [1, 2, 4]) == 0  # fewer than MIN_NODES
+    assert slurm_job.nodes_to_go_on_with(3, 1, 4, [1, 2, 4, 8, 16]) == 2  # 12 ranks do not split 128; 8 do
+    assert slurm_job.read_world_sizes(str(tmp_path / "none"), 12) == [1, 2, 3, 4, 6, 12]
+    (tmp_path / slurm_job.WORLD_SIZES).write_text("1 2 3 4 6\n")
+    assert slurm_job.read_world_sizes(str(tmp_path), 12) == [1, 2, 3, 4, 6]
+    s.python, s.nodes, s.ntasks = "/v/bin/python", 1, 2
+    assert step_command(s, "/code/ddpkit/slurm_job.py", ["t.py"])[:6] == [
+        "srun", "--label", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=2", "/v/bin/python"]
 
 
 def test_the_torchrun_step_starts_one_agent_per_node_with_every_cpu_of_its_ranks(tmp_path, monkeypatch):
