@@ -21,9 +21,9 @@ What it does
 
 What it reaches
   measured; the method and every figure: docs/benchmark.md
-  * the bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 96.9-97.0 %
-    test accuracy (seeds 0-2), ~5 s a run (AMD EPYC, 2 cores, 24 GiB, no GPU;
-    2026-11-24);
+  * the bundled 4,000-image MNIST sample, defaults (8 epochs, 1 process): 96.8-97.2 %
+    test accuracy (seeds 0-2), ~13 s a run (Intel(R) Xeon(R) Processor @ 2.50GHz, 2
+    cores, 24 GiB, no GPU; 2026-11-26);
   * full Fashion-MNIST, defaults: 90.2 % after 2 epochs, 92.2 % after 8 (evaluated with
     the --ema average of the weights); it reaches 90 % 20.1x sooner than the usual
     DataLoader + ToTensor example loop, from process start (7.1 s against 142.1 s)
