@@ -135,7 +135,8 @@ def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], stat
         path.parent.mkdir(parents=True, exist_ok=True)
         save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes),
                      **({} if shape is None else {"shape": list(shape)}), "world_size": rt.world_size,
-                     "global_batch": global_batch, **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
+                     "global_batch": global_batch,
+                     **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         # The newest `keep` up to this step; a later one is the file a rewound run resumed
         # from, which set_aside_checkpoints moves away once this one is safe.
@@ -390,8 +391,12 @@ def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, *, global_
     elif ckpt.get("global_batch") == global_batch:
         # The same batches: rank 0 carries every saved rank's loss sums of the epoch on (the
         # epoch's loss adds them all up), each rank a saved rank's random state (dropout then
-        # draws other masks than the run that kept its world size would).
+        # draws other masks than the run that kept its world size would); a rank the saved
+        # run had not goes on from a seed drawn from it and its own rank, so that no two ranks
+        # draw the same masks.
         set_rng_state(states[rt.rank % saved_ranks], rt.device)
+        if rt.rank >= saved_ranks:
+            torch.manual_seed(int(torch.randint(2**62, ())) + rt.rank)
         if rt.is_main:
             loss_sum.copy_(sum(s["loss_sum"] for s in states))
             print(f"{path} was written by {saved_ranks} ranks, this run has {rt.world_size}: the same global batch of "

@@ -133,8 +133,8 @@ def record_continue_command(launch: Launch, command: str) -> None:
 
 
 def schedule_of(progress: Progress, steps_per_epoch: int, epochs: int, max_steps: int) -> tuple[int, int]:
-    """(schedule offset, total steps): the learning-rate schedule runs in this world size's
-    steps; the step count goes on from the checkpoint's, which another world size may have
+    """(schedule offset, total steps): the learning-rate schedule runs in this global batch's
+    steps; the step count goes on from the checkpoint's, which another global batch may have
     counted differently. The schedule's step is the step count less the offset."""
     schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
     total_steps = epochs * steps_per_epoch
@@ -144,12 +144,14 @@ def schedule_of(progress: Progress, steps_per_epoch: int, epochs: int, max_steps
 
 
 def world_sizes(split: Callable[[int], int], most: int) -> list[int]:
-    """The world sizes up to `most` among which `split` divides a step's images."""
-    fits = []
+    """The world sizes up to `most` that split this run's global batch (of `most` ranks) into
+    equal shares: a run goes on among them with the same batches. (Under --batch-size per
+    rank, another world size changes the global batch: `most` alone.)"""
+    fits, global_batch = [], split(most) * most
     for ranks in range(1, most + 1):
         with contextlib.suppress(UsageError):
-            split(ranks)
-            fits.append(ranks)
+            if split(ranks) * ranks == global_batch:
+                fits.append(ranks)
     return fits
 
 
@@ -192,7 +194,8 @@ class Job:
         batch_size = split(rt.world_size)
         global_batch = batch_size * rt.world_size
         steps_per_epoch = math.ceil(images / global_batch)  # (the last global batch is filled up: epoch_shard)
-        ckpt_path, changed, loss_sums = self.resume(state, global_batch, epochs, max_steps, classes, shape)
+        ckpt_path, changed, loss_sums = self.resume(state, global_batch=global_batch, epochs=epochs, max_steps=max_steps,
+                                                    classes=classes, shape=shape)
         progress = self.progress
         schedule_offset, total_steps = schedule_of(progress, steps_per_epoch, epochs, max_steps)
         peers, attempt_started = self.meet_the_other_ranks()
@@ -217,7 +220,7 @@ class Job:
                            hosts=hosts)
         if save_here:
             self.run.checkpoint()
-            if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another world size)
+            if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another global batch)
                 set_aside_checkpoints(self.run_dir, progress.step + 1)
         self.stop.training = True  # from now on Ctrl-C saves first
         return self.run
@@ -229,7 +232,7 @@ class Job:
             for path in remove_stale_temporaries(self.run_dir):
                 print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
 
-    def resume(self, state: Mapping[str, object], global_batch: int, epochs: int, max_steps: int,
+    def resume(self, state: Mapping[str, object], *, global_batch: int, epochs: int, max_steps: int,
                classes: tuple[str, ...], shape: tuple[int, int, int] | None) -> tuple[str, str, torch.Tensor]:
         """Load the checkpoint every rank agreed on into `state` and self.progress: (its path or
         "", the options --allow-changes let differ, this rank's loss sums). Raises

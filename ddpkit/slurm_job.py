@@ -170,7 +170,7 @@ class Settings:
     the job's own facts. read_settings fills every field."""
     project = shared = script = data_dir = log_dir = run_name = launcher = signal = sweep_file = ""
     node_data_dir = python = environment = batch_file = job = ""
-    check = interactive = False
+    check = interactive = min_nodes_set = False
     max_restarts = master_port = ntasks = nodes = tasks_per_node = 0
     job_nodes = min_nodes = 0  # the nodes the job was given; the fewest it goes on with after losing some
     container = []  # type: List[str]      # words before each rank's command (Apptainer, Singularity, CONTAINER_CMD)
@@ -245,7 +245,7 @@ def read_settings(env: Mapping[str, str], project: str, batch_file: str, environ
     s.ntasks = int(env.get("SLURM_NTASKS", "1"))
     s.nodes = int(env.get("SLURM_JOB_NUM_NODES", "1"))
     s.tasks_per_node = int(env.get("SLURM_NTASKS_PER_NODE") or s.ntasks // s.nodes)
-    s.job_nodes, s.min_nodes = s.nodes, decimal(env, "MIN_NODES", 1, s.nodes, s.nodes)
+    s.job_nodes, s.min_nodes, s.min_nodes_set = s.nodes, decimal(env, "MIN_NODES", 1, s.nodes, s.nodes), "MIN_NODES" in env
     if s.min_nodes < s.nodes and s.launcher != "srun":
         raise JobError(f"MIN_NODES={env['MIN_NODES']} is for LAUNCHER=srun: under torchrun, its agents restart the "
                        "workers themselves; unset MIN_NODES or LAUNCHER")
@@ -472,8 +472,8 @@ def step_command(s: Settings, task_file: str, train: List[str], launcher: str = 
     becomes the training process (srun) or the node's torchrun agent."""
     launcher = launcher or s.launcher
     srun = ["srun", "--label", "--kill-on-bad-exit=1"]
-    if s.nodes < s.job_nodes:  # going on with the nodes left after a node was lost (MIN_NODES)
-        srun += [f"--nodes={s.nodes}", f"--ntasks={s.ntasks}"]
+    if s.nodes < s.job_nodes:  # going on with the nodes left after a node was lost (MIN_NODES), from the
+        srun += [f"--nodes={s.nodes}", f"--ntasks={s.ntasks}", "--relative=0"]  # first: rank 0 by MASTER_ADDR
     if launcher == "torchrun":
         # One torchrun per node starts tasks_per_node workers; c10d rendezvous on the first
         # node. Its agents restart all workers when one fails, MAX_RESTARTS times at most.
@@ -499,6 +499,8 @@ def resubmit_line(s: Settings, env: Mapping[str, str], fields: Mapping[str, str]
         request.append(f"--ntasks={s.ntasks}")
     else:
         request.append(f"--ntasks-per-node={s.tasks_per_node}")
+    if s.min_nodes < s.nodes:
+        request.append("--no-kill")  # (MIN_NODES goes on with the nodes left only so)
     for variable, option, unit in (("SLURM_CPUS_PER_TASK", "--cpus-per-task", ""), ("SLURM_MEM_PER_NODE", "--mem", "M"),
                                    ("SLURM_MEM_PER_CPU", "--mem-per-cpu", "M")):
         if env.get(variable):
@@ -837,7 +839,7 @@ class Supervisor:
         if outcome.status == EXIT_STOPPED and os.path.exists(os.path.join(s.job_dir, "requeue")):
             with open(os.path.join(s.job_dir, "requeue")) as file:
                 self.requeue(file.read().strip())
-        return self.end(outcome, attempt)
+        return self.end(outcome, attempt if s.launcher == "srun" else attempts)
 
     def nodes_held_now(self, outcome: Outcome) -> Optional[str]:
         """After a step that a restart may fix: the nodes Slurm still gives the job (a lost node
@@ -846,21 +848,23 @@ class Supervisor:
         it, the step goes on with the most of them it can use (what the ATTEMPT line adds);
         with too few, the job is requeued (None; None too if Slurm would not)."""
         s = self.s
-        fields = job_fields(show_job(s.job))
+        fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
         held = re.match(r"\d+", fields.get("NumNodes", ""))
         if not held or int(held.group()) >= s.nodes:
             return ""
-        held_nodes, nodes = int(held.group()), s.nodes
+        held_nodes, ntasks = int(held.group()), s.ntasks
         go_on = nodes_to_go_on_with(held_nodes, s.min_nodes, s.tasks_per_node, read_world_sizes(s.job_dir, s.ntasks))
         lost = f"the job holds {held_nodes} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
         if not go_on:
-            why = f"fewer than MIN_NODES={s.min_nodes}" if held_nodes < s.min_nodes else \
+            unset = "" if s.min_nodes_set else " (unset: every node of the job)"
+            why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if held_nodes < s.min_nodes else \
                 f"no world size of {s.tasks_per_node} rank(s) a node on {s.min_nodes}-{held_nodes} nodes splits the batch"
             self.stop_monitor()
             self.requeue(f"exit {outcome.status}: {lost}, {why}")
+            outcome.why += f"; then {lost}, {why}, and it was not requeued"
             return None
         s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
-        return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s) instead of {nodes * s.tasks_per_node}"
+        return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s) instead of {ntasks}"
 
     def requeue(self, after: str) -> None:
         """Requeue the job (the ranks saved and stopped on a signal that asks for it, or too few

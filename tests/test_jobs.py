@@ -108,6 +108,7 @@ def test_the_printed_command_parses_back_to_the_same_run(tmp_path, monkeypatch):
 
 def test_the_world_sizes_rank_0_lists_are_those_the_recipe_splits_its_batch_among():
     """The recipe's own rule decides: its global batch of 96 splits among 1, 2, 3, 4, 6 and 8
-    of 8 ranks; --batch-size N per rank among any number."""
+    of 8 ranks; under --batch-size N per rank any other number of ranks changes the global
+    batch, so none but the run's own goes on with the same batches."""
     assert world_sizes(Recipe(global_batch=96).per_rank_batch, 8) == [1, 2, 3, 4, 6, 8]
-    assert world_sizes(Recipe(batch_size=5).per_rank_batch, 5) == [1, 2, 3, 4, 5]
+    assert world_sizes(Recipe(batch_size=5).per_rank_batch, 5) == [5]

@@ -46,7 +46,7 @@ def steps_per_epoch(batch: int = BATCH, ranks: int = 1) -> int:
     """From the sample's own label file, so the tests do not hard-code its size."""
     with gzip.open(SAMPLE / "train-labels-idx1-ubyte.gz") as fh:
         count = int.from_bytes(fh.read(8)[4:], "big")
-    return math.ceil(count // ranks / batch)
+    return math.ceil(count / (ranks * batch))  # (the last global batch is filled up)
 
 
 def run_driver(code: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -2,7 +2,8 @@
 (local-slurm.sh): a rank SIGKILLed twice in one job, a rank frozen with SIGSTOP, a
 crash loop, failures that must not be retried, a torchrun worker killed across two
 nodes, a whole node lost from a three-node cluster (the job requeued onto the nodes left,
-or with MIN_NODES going on with the node it still holds). Also, at unit level: what a lost
+by Slurm or, under --no-kill, by the supervisor; or with MIN_NODES going on with the node
+it still holds). Also, at unit level: what a lost
 peer says, and --ckpt-minutes with a fake clock (which outcomes the job retries:
 tests/test_slurm_job.py).
 
@@ -12,6 +13,7 @@ again) are the README's "Failures and recovery" figures; nothing asserts on them
     python -m pytest tests/test_recovery.py -s
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -364,6 +366,19 @@ def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path)
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "elastic")] == list(range(1, 7))
 
 
+@contextlib.contextmanager
+def rank_1_node_cut_off(submit_dir: Path, run_name: str):
+    """Rank 1's node drops off the network (its link into the cluster's bridge goes down) and
+    its rank is killed; yields (rank 0's node, the lost node, when); the link comes back after."""
+    first, node = (re.search(rf"^{r}: \[rank {r}/2\] (\S+) ", output_of(submit_dir), re.M).group(1) for r in (0, 1))
+    link = ["ip", "-n", f"{node[:-2]}-ctl", "link", "set", f"v{node[-1]}"]  # (local-slurm.sh's names: ftn2 is v2 in ft-ctl)
+    subprocess.run([*link, "down"], check=True)
+    try:
+        yield first, node, signal_rank(run_name, 1, signal.SIGKILL)
+    finally:
+        subprocess.run([*link, "up"], check=True)
+
+
 def test_a_job_that_loses_a_node_goes_on_with_the_node_left_at_half_the_world_size(three_nodes, tmp_path):
     """MIN_NODES=1, --no-kill: a 2-node job's second node drops off the network (its link down)
     and its rank is killed. Slurm declares the node down and leaves the job the first one;
@@ -374,16 +389,10 @@ def test_a_job_that_loses_a_node_goes_on_with_the_node_left_at_half_the_world_si
     client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
                                            "--no-kill"], args, RUN_NAME="shrunk", MIN_NODES="1")
     wait_for(tmp_path, r"^0: epoch   1 \|")
-    first, node = (re.search(rf"^{r}: \[rank {r}/2\] (\S+) ", output_of(tmp_path), re.M).group(1) for r in (0, 1))
-    link = ["ip", "-n", f"{node[:-2]}-ctl", "link", "set", f"v{node[-1]}"]  # (local-slurm.sh's names: ftn2 is v2 in ft-ctl)
-    subprocess.run([*link, "down"], check=True)
-    try:
-        lost = signal_rank("shrunk", 1, signal.SIGKILL)
+    with rank_1_node_cut_off(tmp_path, "shrunk") as (first, _, lost):
         went_on = wait_for(tmp_path, r"^ATTEMPT 2/4 after exit .*: the job holds 1 of its 2 nodes", timeout=300)
         job_id, out = finish(client, tmp_path)
         ended = time.monotonic()
-    finally:
-        subprocess.run([*link, "up"], check=True)
     print(f"\nnode lost at 0 s; the job went on with 1 node at {went_on - lost:.1f} s; it finished at {ended - lost:.1f} s")
     shrunk = re.search(r"^ATTEMPT 2/4 after exit .*$", out, re.M).group(0)
     print(shrunk)
@@ -403,6 +412,26 @@ def test_a_job_that_loses_a_node_goes_on_with_the_node_left_at_half_the_world_si
     accuracy, expected = metrics[-1]["test_accuracy"], read_metrics(tmp_path / "healthy")[-1]["test_accuracy"]
     print(f"accuracy {accuracy:.4f}, a run that lost nothing {expected:.4f}")
     assert abs(accuracy - expected) <= 0.003
+
+
+def test_a_no_kill_job_that_loses_a_node_without_min_nodes_is_requeued_onto_whole_nodes(three_nodes, tmp_path):
+    """--no-kill without MIN_NODES: the job that lost a node would wait for it forever (srun
+    asks for 2 nodes, the job holds 1): the supervisor requeues it instead, and it reruns
+    on 2 nodes that work, resuming."""
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
+                                           "--no-kill"], ["--ckpt-every", "10", "--epochs", "3"], RUN_NAME="whole")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    with rank_1_node_cut_off(tmp_path, "whole") as (first, node, _):
+        job_id, out = finish(client, tmp_path)
+    assert re.search(rf"^requeueing Slurm job {job_id} after exit \d+: the job holds 1 of its 2 nodes \({first}\), fewer "
+                     r"than MIN_NODES=2 \(unset: every node of the job\); it resumes from its last checkpoint", out, re.M), \
+        out[-3000:]
+    rerun_nodes = re.findall(r"^START .* restart=1 nodes=(\S+) ", out, re.M)[0]
+    assert node not in subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "scontrol", "show", "hostnames",
+                                       rerun_nodes], env=three_nodes.env, capture_output=True, text=True).stdout.split()
+    assert re.search(r"^0: resumed from .*\(attempt 1/4, requeued 1x\)", out, re.M)
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "whole")] == [1, 2, 3]
 
 
 def test_a_lost_node_requeues_the_job_onto_the_nodes_left(three_nodes, tmp_path):

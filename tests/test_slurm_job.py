@@ -162,9 +162,41 @@ def test_after_a_lost_node_the_step_goes_on_with_the_most_nodes_the_batch_splits
     assert slurm_job.read_world_sizes(str(tmp_path / "none"), 12) == [1, 2, 3, 4, 6, 12]
     (tmp_path / slurm_job.WORLD_SIZES).write_text("1 2 3 4 6\n")
     assert slurm_job.read_world_sizes(str(tmp_path), 12) == [1, 2, 3, 4, 6]
+    assert "--no-kill" in resubmit_line(s, JOB, slurm_job.job_fields(LINE)).split()  # (MIN_NODES needs it)
+    assert "--no-kill" not in resubmit_line(settings(tmp_path), JOB, slurm_job.job_fields(LINE)).split()
     s.python, s.nodes, s.ntasks = "/v/bin/python", 1, 2
-    assert step_command(s, "/code/ddpkit/slurm_job.py", ["t.py"])[:6] == [
-        "srun", "--label", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=2", "/v/bin/python"]
+    assert step_command(s, "/code/ddpkit/slurm_job.py", ["t.py"])[:7] == [
+        "srun", "--label", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=2", "--relative=0", "/v/bin/python"]
+
+
+def scontrol_showing(directory: Path, line: str) -> str:
+    """A PATH whose scontrol shows `line` for any job and refuses every requeue."""
+    directory.mkdir()
+    (directory / "scontrol").write_text(f"""#!/bin/sh
+if [ "$1" = requeue ]; then echo "scontrol: error: Job has been denied requeue" >&2; exit 1; fi
+echo "{line}"
+""")
+    (directory / "scontrol").chmod(0o755)
+    return str(directory)
+
+
+def test_the_supervisor_goes_on_with_the_nodes_scontrol_shows_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):
+    """After a step lost to a node: all nodes held, the same step again; 1 of 2 held with
+    MIN_NODES=1, 2 ranks on it (settled as 2 from then on); with MIN_NODES unset, a requeue,
+    which Slurm refuses here, and the outcome says so."""
+    killed = Outcome(137, True, "rank 2 3 ended without an exit code")
+    monkeypatch.setenv("PATH", scontrol_showing(tmp_path / "all", LINE + " NumNodes=2 NodeList=n[1-2]"))
+    supervisor = slurm_job.Supervisor(settings(tmp_path, MIN_NODES="1"), LINE, "/code/ddpkit/slurm_job.py")
+    assert supervisor.nodes_held_now(killed) == ""
+    monkeypatch.setenv("PATH", scontrol_showing(tmp_path / "one", LINE + " NumNodes=1 NodeList=n1"))
+    assert supervisor.nodes_held_now(killed) == (": the job holds 1 of its 2 nodes (n1), so on 1 node(s) with 2 rank(s) "
+                                                 "instead of 4")
+    assert (supervisor.s.nodes, supervisor.s.ntasks) == (1, 2)
+    whole = slurm_job.Supervisor(settings(tmp_path), LINE, "/code/ddpkit/slurm_job.py")
+    assert whole.nodes_held_now(killed) is None
+    assert ("requeueing Slurm job 77 after exit 137: the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 "
+            "(unset: every node of the job); it resumes") in capsys.readouterr().out
+    assert killed.why.endswith("and it was not requeued") and (whole.s.nodes, whole.s.ntasks) == (2, 4)
 
 
 def test_the_torchrun_step_starts_one_agent_per_node_with_every_cpu_of_its_ranks(tmp_path, monkeypatch):

@@ -147,8 +147,8 @@ def test_done_follows_the_epochs_and_the_step_cap(tmp_path, stop):
 
 
 def test_schedule_step_counts_from_the_offset(tmp_path, stop):
-    # Resumed under another world size: the step count goes on from the checkpoint's, the
-    # schedule runs in this world size's steps.
+    # Resumed under another global batch: the step count goes on from the checkpoint's, the
+    # schedule runs in this global batch's steps.
     run = make_run(tmp_path, stop, ckpt_every=0, progress=Progress(epoch=2, step=12), schedule_offset=7)
     assert run.schedule_step == 5
     run.step_done(torch.tensor(0.7), 4)
