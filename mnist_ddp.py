@@ -28,8 +28,9 @@ What it reaches
     the --ema average of the weights); it reaches 90 % 20.1x sooner than the usual
     DataLoader + ToTensor example loop, from process start (7.1 s against 142.1 s)
     (Intel(R) Xeon(R) Processor, 2 cores, 24 GiB, no GPU; 2026-11-25);
-  * full Fashion-MNIST, 2 epochs: 90.1-90.3 % from 1, 2, 4 or 8 ranks, the global batch
-    split among them (Intel(R) Xeon(R) Processor, 2 cores, 24 GiB, no GPU; 2026-11-25).
+  * full Fashion-MNIST, 2 epochs: 90.1-90.2 % from 1, 2, 4 or 8 ranks, the global batch
+    split among them (Intel(R) Xeon(R) Processor @ 2.50GHz, 2 cores, 24 GiB, no GPU;
+    2026-11-26).
 
 How to launch
   python mnist_ddp.py                                    # one process, bundled sample
