@@ -315,6 +315,7 @@ BROKEN = {
     "classes-text": (lambda ckpt: {**ckpt, "classes": "cat,dog"}, "its classes are not a list of names"),
     "shape-of-2": (lambda ckpt: {**ckpt, "shape": [28, 28]}, "its shape is not the images' [channels, height, width]"),
     "world-size-true": (lambda ckpt: {**ckpt, "world_size": True}, "its world_size is True, not a count of ranks"),
+    "global-batch-0": (lambda ckpt: {**ckpt, "global_batch": 0}, "its global_batch is 0, not a count of images"),
     "one-rank-state-of-2": (lambda ckpt: {**ckpt, "world_size": 2},
                             "its rank_states are not a list of its 2 ranks' states"),
     "a-rank-state-without-loss-sum": (
