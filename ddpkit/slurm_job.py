@@ -857,8 +857,9 @@ class Supervisor:
         lost = f"the job holds {held_nodes} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
         if not go_on:
             unset = "" if s.min_nodes_set else " (unset: every node of the job)"
+            per_node = f"at {s.tasks_per_node} rank(s) a node"
             why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if held_nodes < s.min_nodes else \
-                f"no world size of {s.tasks_per_node} rank(s) a node on {s.min_nodes}-{held_nodes} nodes splits the batch"
+                f"and no count of them from MIN_NODES={s.min_nodes} up, {per_node}, keeps the global batch"
             self.stop_monitor()
             self.requeue(f"exit {outcome.status}: {lost}, {why}")
             outcome.why += f"; then {lost}, {why}, and it was not requeued"

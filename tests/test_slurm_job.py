@@ -197,6 +197,12 @@ def test_the_supervisor_goes_on_with_the_nodes_scontrol_shows_or_says_why_it_can
     assert ("requeueing Slurm job 77 after exit 137: the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 "
             "(unset: every node of the job); it resumes") in capsys.readouterr().out
     assert killed.why.endswith("and it was not requeued") and (whole.s.nodes, whole.s.ntasks) == (2, 4)
+    weak = slurm_job.Supervisor(settings(tmp_path, MIN_NODES="1"), LINE, "/code/ddpkit/slurm_job.py")
+    os.makedirs(weak.s.job_dir, exist_ok=True)
+    Path(weak.s.job_dir, slurm_job.WORLD_SIZES).write_text("4\n")  # (--batch-size per rank: 4 ranks alone keep it)
+    assert weak.nodes_held_now(Outcome(4, True, "rank 0 lost contact")) is None
+    assert ("the job holds 1 of its 2 nodes (n1), and no count of them from MIN_NODES=1 up, at 2 rank(s) a node, keeps "
+            "the global batch; it resumes") in capsys.readouterr().out
 
 
 def test_the_torchrun_step_starts_one_agent_per_node_with_every_cpu_of_its_ranks(tmp_path, monkeypatch):
