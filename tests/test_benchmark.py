@@ -1,12 +1,14 @@
 """The benchmark's one command runs end to end (its --quick mode: a few steps of every
 part) and writes its JSON and Markdown table with every figure present; so does its table
-by rank count (--ranks --quick, on 1 and 2 ranks). It asserts no
+by rank count (--ranks --quick, on 1 and 2 ranks), and world_sizes.py's closeness of runs
+that go on on another number of ranks (one epoch). It asserts no
 timings: those are measured by the full run and written in the README.
 
     python -m pytest tests/test_benchmark.py
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -49,3 +51,13 @@ def test_ranks_quick_run(tmp_path):
         assert set(by_ranks) == {"1", "2"} and all(0 < accuracy <= 1 for accuracy in by_ranks.values())
     table = (tmp_path / "out" / "ranks.md").read_text()
     assert "| test accuracy after 2 epochs | 1 rank | 2 ranks |" in table
+
+
+def test_world_sizes_compares_each_continued_run_with_the_run_that_kept_its_ranks(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "world_sizes.py"), "--epochs", "1", "--stop-at", "9",
+                             "--out", str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for before, after in ((1, 2), (4, 2), (2, 1)):
+        assert re.search(rf"^  {before} then {after} ranks: \S+ at step 12, \S+ at step 32; test accuracy \[\S+\] against ",
+                         result.stdout, re.M), result.stdout
+    assert "for scale, runs started on 1 and on 2 ranks at step 8: " in result.stdout
