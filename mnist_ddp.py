@@ -207,19 +207,20 @@ def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor
     return torch.stack([direction // 3 - 1, direction % 3 - 1]) * moved
 
 
-def epoch_shard(n: int, epoch: int, seed: int, *, rank: int, world_size: int, batch_size: int) -> torch.Tensor:
-    """This rank's training indices for one epoch, batch_size of them a step.
+def epoch_shard(n: int, epoch: int, seed: int, *, rank: int, world_size: int, batch_size: int,
+                steps: int) -> torch.Tensor:
+    """This rank's training indices for one epoch of `steps` steps, batch_size of them a step.
 
     Position p of the epoch is image order[p % n] of a seeded permutation every rank
     draws alike. Step k's global batch is positions k * G to k * G + G - 1 (G = world_size *
     batch_size), and each rank takes every world_size-th of them from its own offset. So a
     global batch holds the same images on any number of ranks that split it: a run saved
-    by N ranks goes on in mid-epoch on M. The epoch's last global batch is filled up with
-    its first images (as DistributedSampler pads), so every step trains G images."""
+    by N ranks goes on in mid-epoch on M. Past the n images (the run's epoch is ceil(n / G)
+    steps), the epoch's first images fill the last global batch up, as DistributedSampler
+    pads, so every step trains G images."""
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n, generator=generator)
-    positions = math.ceil(n / (world_size * batch_size)) * world_size * batch_size
-    return order[torch.arange(rank, positions, world_size) % n]
+    return order[torch.arange(rank, steps * world_size * batch_size, world_size) % n]
 
 
 # ----------------------------------------------------------------------------- model
@@ -411,7 +412,7 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
         run.epoch_begins()
         epoch = run.progress.epoch
         shard = epoch_shard(len(train_set), epoch, recipe.seed, rank=rt.rank, world_size=rt.world_size,
-                            batch_size=batch_size).to(rt.device)
+                            batch_size=batch_size, steps=run.steps_per_epoch).to(rt.device)
         shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
         shifts = shifts if shifts is None else shifts.to(rt.device)
         batches = [shard[k * batch_size: (k + 1) * batch_size]

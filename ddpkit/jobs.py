@@ -193,7 +193,7 @@ class Job:
         self.claim_run_dir()
         batch_size = split(rt.world_size)
         global_batch = batch_size * rt.world_size
-        steps_per_epoch = math.ceil(images / global_batch)  # (the last global batch is filled up: epoch_shard)
+        steps_per_epoch = math.ceil(images / global_batch)  # (the recipe's shard fills the last global batch up)
         ckpt_path, changed, loss_sums = self.resume(state, global_batch=global_batch, epochs=epochs, max_steps=max_steps,
                                                     classes=classes, shape=shape)
         progress = self.progress

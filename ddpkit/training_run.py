@@ -65,15 +65,15 @@ class TrainingRun:
     def __init__(self, *, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path,
                  state: Mapping[str, object], saved_options: dict, classes: tuple[str, ...], progress: Progress,
                  loss_sums: torch.Tensor, epochs: int, max_steps: int, steps_per_epoch: int, global_batch: int,
-                 schedule_offset: int,
-                 total_steps: int, logger, startup: StartupClock | None = None, time_limit: TimeLimit | None = None,
-                 shape: tuple[int, int, int] | None = None, hosts: list[str] | None = None):
+                 schedule_offset: int, total_steps: int, logger, startup: StartupClock | None = None,
+                 time_limit: TimeLimit | None = None, shape: tuple[int, int, int] | None = None,
+                 hosts: list[str] | None = None):
         self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
         self.classes, self.shape = classes, shape  # what the data is, for every checkpoint
         self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
         self.epochs, self.max_steps, self.steps_per_epoch = epochs, max_steps, steps_per_epoch
         self.global_batch = global_batch  # a step's images over all ranks, as every checkpoint records
-        # The learning-rate schedule runs in this world size's steps (schedule_step of
+        # The learning-rate schedule runs in this global batch's steps (schedule_step of
         # total_steps); the step count goes on from the checkpoint's.
         self.schedule_offset, self.total_steps, self.logger = schedule_offset, total_steps, logger
         self.clock, self.pending = CheckpointClock(options.ckpt_minutes), None

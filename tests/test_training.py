@@ -237,7 +237,8 @@ def test_batch_jobs_print_progress_lines(workdir):
 
 def global_batches(n: int, epoch: int, world_size: int, batch_size: int) -> list[list[tuple[int, int, int]]]:
     """Each step's images over all ranks, each with its (down, right) shift, as the ranks take them."""
-    shards = [mnist_ddp.epoch_shard(n, epoch, 5, rank=rank, world_size=world_size, batch_size=batch_size)
+    steps = -(-n // (world_size * batch_size))  # (the run's epoch: every image, the last global batch filled up)
+    shards = [mnist_ddp.epoch_shard(n, epoch, 5, rank=rank, world_size=world_size, batch_size=batch_size, steps=steps)
               for rank in range(world_size)]
     assert len({len(shard) for shard in shards}) == 1  # every rank runs the same number of steps
     shifts = mnist_ddp.epoch_shifts(n, epoch=epoch, seed=5, fraction=0.5)
@@ -256,7 +257,7 @@ def test_every_global_batch_holds_the_same_images_with_the_same_shifts_on_1_2_3_
         assert len(alone) == -(-n // 24) and all(len(batch) == 24 for batch in alone)
         for world_size in (2, 3, 4, 8):
             assert global_batches(n, epoch, world_size, 24 // world_size) == alone, world_size
-        order = mnist_ddp.epoch_shard(n, epoch, 5, rank=0, world_size=1, batch_size=24).tolist()
+        order = mnist_ddp.epoch_shard(n, epoch, 5, rank=0, world_size=1, batch_size=24, steps=-(-n // 24)).tolist()
         assert sorted(order[:n]) == list(range(n)) and order[n:] == order[:len(order) - n]
     assert global_batches(n, 1, 1, 24) != global_batches(n, 2, 1, 24)
 
@@ -266,9 +267,10 @@ def test_the_order_of_a_seed_stays_the_same_from_one_version_to_the_next():
     that draws it changed between the save and the resume, some images would be trained
     twice in that epoch and others not at all. So the order of a seed is pinned here, and
     the shifts of the augmentation with it."""
-    assert [mnist_ddp.epoch_shard(10, 1, 0, rank=rank, world_size=2, batch_size=5).tolist() for rank in (0, 1)] == [
-        [5, 1, 0, 9, 7], [6, 2, 8, 3, 4]]
-    assert mnist_ddp.epoch_shard(10, 2, 3, rank=0, world_size=1, batch_size=10).tolist() == [0, 7, 1, 6, 3, 8, 9, 4, 2, 5]
+    assert [mnist_ddp.epoch_shard(10, 1, 0, rank=rank, world_size=2, batch_size=5, steps=1).tolist()
+            for rank in (0, 1)] == [[5, 1, 0, 9, 7], [6, 2, 8, 3, 4]]
+    assert mnist_ddp.epoch_shard(10, 2, 3, rank=0, world_size=1, batch_size=10, steps=1).tolist() == [
+        0, 7, 1, 6, 3, 8, 9, 4, 2, 5]
     assert mnist_ddp.epoch_shifts(12, epoch=3, seed=2, fraction=0.5).tolist() == [
         [-1, -1, 0, 1, 0, -1, 1, 0, 1, 1, 0, 0], [1, -1, -1, 0, 0, -1, 1, -1, 0, 1, 0, 0]]
 
