@@ -68,7 +68,8 @@ Exit codes
 
 # The stop signals are caught before torch loads (seconds on shared storage): one may come
 # while it loads, or while ranks wait for each other (a requeued job gets its time-limit
-# signal again), and would otherwise kill the process before anything can be saved.
+# signal again), and would otherwise kill the process before anything can be saved. A Ctrl-C
+# while it loads ends the process at once, in one line.
 try:
     from ddpkit import launch
 except ModuleNotFoundError as missing:  # this file was copied without the package beside it
@@ -78,7 +79,7 @@ except ModuleNotFoundError as missing:  # this file was copied without the packa
     print("mnist_ddp.py: error: cannot import ddpkit, the package this script runs on; keep the ddpkit/ folder beside "
           "mnist_ddp.py (copy both)", file=sys.stderr)
     sys.exit(2)
-STOP_SIGNALS = launch.StopSignals() if __name__ == "__main__" else None
+STOP_SIGNALS = launch.StopSignals(loading=True) if __name__ == "__main__" else None
 
 import copy  # (after the stop signals, on purpose: see above)
 import dataclasses
@@ -171,6 +172,17 @@ class Recipe:
                 f"pass --global-batch {batches} (a multiple of {world_size}), or --batch-size N for N images per rank")
         return self.global_batch // world_size
 
+    def check_batch_fits(self, images: int, world_size: int) -> None:
+        """A global batch larger than the training set would fill each step up with the epoch's
+        first images again (see epoch_shard): almost surely a typo, or a smaller folder than meant."""
+        batch = self.per_rank_batch(world_size) * world_size
+        twice = f"more than the {images} training images, so each step would train some of them more than once"
+        if self.batch_size:
+            need(batch <= images, f"--batch-size {self.batch_size} on {world_size} rank{'s' * (world_size > 1)} is a "
+                 f"global batch of {batch}, {twice}; pass --batch-size {images // world_size} or less")
+        need(batch <= images, f"--global-batch {batch} is {twice}; pass --global-batch "
+             f"{images // world_size * world_size} or less")
+
 
 # The HParams tab lists these first (a sweep lists what it varies first instead).
 SHOWN_FIRST = ("lr", "global_batch", "batch_size", "weight_decay", "epochs")
@@ -254,13 +266,17 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
         return nn.Sequential(nn.Flatten(), nn.Linear(channels * height * width, 512), nn.ReLU(inplace=True),
                              nn.Dropout(recipe.dropout), nn.Linear(512, 512), nn.ReLU(inplace=True),
                              nn.Dropout(recipe.dropout), nn.Linear(512, classes))
-    # ResNet18 for small images: a 3x3 stem of stride 1 and no max-pool, so 28x28 is not shrunk to 7x7 at once.
-    import torchvision  # here, not at the top: importing it costs seconds that the other models need not wait
+    if recipe.model == "resnet18":
+        # For small images: a 3x3 stem of stride 1 and no max-pool, so 28x28 is not shrunk to 7x7 at once.
+        import torchvision  # here, not at the top: importing it costs seconds that the other models need not wait
 
-    net = torchvision.models.resnet18(num_classes=classes)
-    net.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
-    net.maxpool = nn.Identity()
-    return net
+        net = torchvision.models.resnet18(num_classes=classes)
+        net.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
+        net.maxpool = nn.Identity()
+        return net
+    # A name added to MODELS before its branch here: say so, rather than train another network under its name.
+    raise launch.UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
+                            "that returns its nn.Module (docs/adapt.md)")
 
 
 def build_training(recipe: Recipe, options: RunOptions, rt: Runtime, data: ImageSet):
@@ -452,6 +468,7 @@ def prepare_and_train(job: jobs.Job) -> None:
             return
         recipe.per_rank_batch(rt.world_size)  # (a global batch that does not split stops here, before the data)
         train_set, test_set = read_data(recipe, options, data_dir, job)
+        recipe.check_batch_fits(len(train_set), rt.world_size)  # (before any step, whichever feed reads the data)
     model, raw_model, optimizer, average = build_training(recipe, options, rt, train_set)
     run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},
                         images=len(train_set), split=recipe.per_rank_batch,

@@ -16,6 +16,8 @@
 # Variables:
 #   LOG_DIR        as --logdir
 #   PORT           as --port
+#   PYTHON         interpreter whose TensorBoard to run (a run's view line names its own
+#                  when this file would not find it)  [tensorboard on the PATH, else VENV's]
 #   VENV           virtual environment to activate, when tensorboard is not on the PATH
 #                  [./.venv, else the .venv beside this file, found from any directory]
 #   LOGIN_HOST     login node for the tunnel command on compute nodes  [SLURM_SUBMIT_HOST]
@@ -70,7 +72,14 @@ fi
 port=$((10#${BASH_REMATCH[1]}))
 [[ -d $logdir ]] || die "log directory '$logdir' does not exist; train first (python mnist_ddp.py) or pass --logdir DIR"
 
-if ! command -v tensorboard >/dev/null 2>&1; then
+tensorboard=(tensorboard)
+python=python3
+if [[ -n ${PYTHON:-} ]]; then
+    "$PYTHON" -c 'import tensorboard' >/dev/null 2>&1 \
+        || die "PYTHON=$PYTHON cannot run TensorBoard; run: $(quoted "$PYTHON") -m pip install -r requirements.txt"
+    tensorboard=("$PYTHON" -m tensorboard.main)
+    python=$PYTHON
+elif ! command -v tensorboard >/dev/null 2>&1; then
     venv=${VENV:-.venv}
     if [[ -z ${VENV:-} && ! -f $venv/bin/activate ]]; then venv=$here/.venv; fi
     [[ -f $venv/bin/activate ]] || die "tensorboard is not installed here: activate the virtual environment" \
@@ -81,7 +90,7 @@ if ! command -v tensorboard >/dev/null 2>&1; then
 fi
 
 port_is_free() {  # bind where TensorBoard will bind; a listener on any address blocks it
-    python3 -c 'import socket, sys
+    "$python" -c 'import socket, sys
 s = socket.socket()
 try:
     s.bind((sys.argv[1], int(sys.argv[2])))
@@ -114,4 +123,4 @@ if [[ $host == 0.0.0.0 ]]; then
 fi
 echo "TensorBoard on $host:$port, log directory $logdir (Ctrl-C to stop)"
 
-exec tensorboard --logdir "$logdir" --host "$host" --port "$port" --reload_interval 1 "${extra[@]}"
+exec "${tensorboard[@]}" --logdir "$logdir" --host "$host" --port "$port" --reload_interval 1 "${extra[@]}"

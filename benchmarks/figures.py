@@ -112,6 +112,17 @@ def ranks_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def ranks_speed() -> str:
+    """README and docs/what-it-does.md: 2 ranks of one thread against 1 rank of 2 threads at the
+    default global batch, from bench.json's scaling run."""
+    b = load("bench.json")
+    s = b["scaling"]
+    return (f"{s['2x1_images_per_s']:,.0f} training images/s from 2 ranks of one thread (64 images a rank) against "
+            f"{s['1x2_images_per_s']:,.0f} from 1 rank of 2 threads, {s['ratio']:.2f}x, with "
+            f"{100 * s['2x1_accuracy']:.2f} % against {100 * s['1x2_accuracy']:.2f} % after 2 epochs "
+            f"({data_words(b['dataset'])}, `python benchmarks/bench.py`, {source(b['machine'])})")
+
+
 def startup_line() -> str:
     """README, Start-up: the `ready in` line of the benchmark's run of the defaults."""
     b = load("bench.json")
@@ -233,6 +244,7 @@ def manual_figures() -> str:
 
 
 BLOCKS = {"benchmark-summary": benchmark_summary, "benchmark-table": benchmark_table, "ranks-table": ranks_table,
+          "ranks-speed": ranks_speed,
           "startup-line": startup_line, "sample-accuracy": sample_accuracy, "make-run": make_run_line,
           "sweep-summary": sweep_summary, "sweep-source": sweep_source, "hparams-columns": hparams_columns,
           "tensorboard-output": tensorboard_output, "test-times": test_times, "speed-ratio": speed_ratio,

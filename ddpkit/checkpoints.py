@@ -24,6 +24,7 @@ import torch.nn as nn
 from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
 from ddpkit.launch import UsageError
 from ddpkit.options import flag
+from ddpkit.slurm_job import CKPT_NAME, run_name_setting, step_of_checkpoint
 
 TEMPORARY_SUFFIX = ".tmp-"  # save_atomic and replace_text write .NAME.tmp-PID beside NAME
 
@@ -84,7 +85,6 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
 
 
 CKPT_FORMAT = 1
-CKPT_NAME = "ckpt-{:08d}.pt"  # the one name of the checkpoint of each step
 
 
 @dataclass
@@ -169,11 +169,9 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def checkpoint_step(path: Path) -> int:
-    """The step in a checkpoint's name (ckpt-00000120.pt: 120), -1 for any name but the one
-    a run gives the checkpoint of that step: ckpt-best.pt, or ckpt-120.pt beside
-    ckpt-00000120.pt, is a user's copy, never taken for the run's own."""
-    match = re.fullmatch(r"ckpt-(\d+)\.pt", path.name)
-    return int(match.group(1)) if match and path.name == CKPT_NAME.format(int(match.group(1))) else -1
+    """The step in a checkpoint's name, -1 for a user's file (slurm_job.step_of_checkpoint: the
+    job's supervisor reads the names too)."""
+    return step_of_checkpoint(path.name)
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
@@ -296,7 +294,7 @@ def refuse_if_unfitting(path: Path, saved: Mapping[str, torch.Tensor], model: nn
         difference = f"{extra[0]} is in the checkpoint but not in this model" if extra else ""
     if difference:
         raise UsageError(f"checkpoint {path} does not fit this model ({difference}): the model's code changed since it "
-                         "was saved. Pass another --run-name to train the changed model afresh, or undo the change to "
+                         f"was saved. Pass another {run_name_setting()} to train the changed model afresh, or undo the change to "
                          "resume this run")
 
 
@@ -309,7 +307,7 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
     if resume == "never":
         if found:
             raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
-                             "pass another --run-name to start afresh, or --resume auto to continue")
+                             f"pass another {run_name_setting()} to start afresh, or --resume auto to continue")
         warn_if_starting_over(run_dir, [])
         return None, ""
     candidates = found if resume == "auto" else [Path(resume)]
@@ -333,7 +331,7 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
         if fixed or (differences and not allow_changes):
             allowed = ", ".join(flag(k) for k in changeable)
             raise UsageError(f"checkpoint {path} is from a different configuration ({'; '.join(differences.values())}); "
-                             "resume with the same options, or pass another --run-name to start afresh"
+                             f"resume with the same options, or pass another {run_name_setting()} to start afresh"
                              + ("" if fixed else f", or add --allow-changes to carry on with new {allowed}"))
         return path, "; ".join(differences.values())
     warn_if_starting_over(run_dir, found)
@@ -372,7 +370,7 @@ def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, *, global_
             continue
         if name not in ckpt or ckpt[name] is None:
             raise UsageError(f"checkpoint {path} holds no {name}: the recipe's code changed since it was saved. Pass "
-                             "another --run-name to train afresh, or undo the change to resume this run")
+                             f"another {run_name_setting()} to train afresh, or undo the change to resume this run")
         if isinstance(thing, nn.Module):
             refuse_if_unfitting(path, ckpt[name], thing)
             thing.load_state_dict(ckpt[name])
@@ -436,7 +434,7 @@ def refuse_other_data(path: Path, ckpt: dict, classes: tuple[str, ...] | None,
     if classes is not None and saved_classes is not None and list(saved_classes) != list(classes):
         shown = lambda names: ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
         raise UsageError(f"checkpoint {path} was trained on other classes ({shown(saved_classes)}) than this data has "
-                         f"({shown(list(classes))}): pass the data it was trained on, or another --run-name to start "
+                         f"({shown(list(classes))}): pass the data it was trained on, or another {run_name_setting()} to start "
                          "afresh")
     saved_shape = ckpt.get("shape")
     if shape is None or saved_shape is None or list(saved_shape) == list(shape):
@@ -451,7 +449,7 @@ def refuse_other_data(path: Path, ckpt: dict, classes: tuple[str, ...] | None,
     if (h0, w0) != (h, w):
         what = f" (its images {w0}x{h0} pixels)"
     raise UsageError(f"checkpoint {path} was trained on images of {c0}x{h0}x{w0} (channels x height x width) and this "
-                     f"data's are {c}x{h}x{w}{why}: pass the data it was trained on{what}, or another --run-name to "
+                     f"data's are {c}x{h}x{w}{why}: pass the data it was trained on{what}, or another {run_name_setting()} to "
                      "start afresh")
 
 
@@ -465,7 +463,7 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict) ->
     try:
         optimizer.load_state_dict(saved)
     except ValueError as err:  # its parameter groups differ: the optimizer's code changed
-        raise UsageError(f"checkpoint {path} does not fit this optimizer ({err}); pass another --run-name to train "
+        raise UsageError(f"checkpoint {path} does not fit this optimizer ({err}); pass another {run_name_setting()} to train "
                          "afresh, or undo the change to resume this run") from None
     for group, hyperparameters in zip(optimizer.param_groups, given, strict=True):
         group.update(hyperparameters)

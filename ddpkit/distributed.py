@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -310,10 +312,44 @@ def sync_buffers(model: nn.Module) -> None:
                 dist.broadcast(buffer, src=0)
 
 
+# The DDP wrapper of each model that wrap_ddp wrapped, by the model: a run holds the model it
+# trains and saves, not its wrapper, and asks the wrapper for DDP's own timing of the steps.
+_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def wrap_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
     """The model in DistributedDataParallel, which averages the gradients in backward() (a
     single process trains the model itself). Its constructor broadcasts rank 0's weights."""
     if rt.world_size == 1:
         return model
     with collective("wrapping the model in DDP (the broadcast of rank 0's weights)"):
-        return DistributedDataParallel(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    _wrappers[model] = weakref.ref(wrapped)
+    return wrapped
+
+
+def ddp_statistics(model: nn.Module | None) -> dict:
+    """DDP's own runtime statistics of the wrapper wrap_ddp made for `model` ({} for a model it
+    did not wrap): among them the average times, in ns, of the steps it sampled (the first
+    10 of the process, then every 100th), which it measures on CPUs and GPUs alike. (A
+    prototype interface of torch's: a torch without it gives {}.)"""
+    wrapped = _wrappers.get(model)() if model in _wrappers else None
+    return getattr(wrapped, "_get_ddp_logging_data", dict)() if wrapped is not None else {}
+
+
+DDP_TIMES = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
+             "avg_backward_compute_comm_overlap_time")
+
+
+def gradient_wait(stats: Mapping) -> tuple[float, float, float] | None:
+    """From DDP's runtime statistics: (the share of a step's forward and backward passes spent
+    waiting for the gradient all-reduce, ms a step computing, ms a step waiting), or None
+    before DDP timed a step. The wait is the all-reduce's time after the backward pass had
+    computed every gradient (its overlap with that computation is free); it ends when the
+    slowest rank's gradients have arrived, so it holds the wait for the other ranks too."""
+    if not all(stats.get(key, 0) > 0 for key in DDP_TIMES[:3]):
+        return None
+    forward, backward, comm = (stats[key] / 1e6 for key in DDP_TIMES[:3])
+    wait_ms = max(0.0, comm - stats.get(DDP_TIMES[3], 0) / 1e6)
+    compute_ms = forward + backward
+    return wait_ms / (wait_ms + compute_ms), compute_ms, wait_ms

@@ -8,7 +8,10 @@ sees when one of these has lasted longer than --hang-after seconds, well before
 --dist-timeout ends it. A rank that waits then writes every thread's stack to
 RUN_DIR/hangs/<attempt>/rank-<r>-<host>.txt and a summary beside it: its innermost frame in
 the recipe or ddpkit, and the collective it waits in; a rank busy with its own work does
-the same once another rank waits. The waiting ranks read the others' summaries a few
+the same once another rank waits. A rank whose innermost frame is not torch's (nor
+Python's own) runs Python code and does not wait: a rank in code that is neither the
+project's nor torch's (a library, a user's backward hook, on a GPU in autograd's own thread)
+is named at that code's innermost frame. The waiting ranks read the others' summaries a few
 seconds later; for a rank that wrote none, a waiting rank on the same host reads /proc:
 stopped (state T), in uninterruptible I/O (state D), or gone. The lowest waiting rank
 prints the verdict in one line. A C call that holds the interpreter's lock stops the
@@ -39,6 +42,7 @@ TICK = 1.0      # seconds between the watchdog's looks
 # Where a rank that is inside torch's collectives or its backward pass waits: it has
 # reached the collective (DDP's gradient all-reduce runs inside backward()).
 TORCH_WAITS = re.compile(r"torch/(distributed|nn/parallel|autograd)/")
+TORCH_BACKWARD = re.compile(r"torch/autograd/")  # (where backward() hands the graph to autograd's engine)
 
 # What this process's main thread does that the other ranks may wait on: (what, since, kind),
 # kind one of WAITS (a labelled collective: it waits), STEP (a training step: it waits once
@@ -81,27 +85,98 @@ def default_hang_after(dist_timeout: float) -> float:
     return seconds if seconds < dist_timeout else 0.0
 
 
-def innermost_own_frame(frames: list[tuple[str, int, str]], roots: tuple[Path, ...]) -> str:
-    """The innermost frame (file, line, function; outermost first) in `roots` (the recipe's
-    directory, ddpkit/), as `file.py:LINE in function`, the path relative to the project."""
-    for filename, line, function in reversed(frames):
-        path = Path(filename).resolve()
-        if {"site-packages", "dist-packages"} & set(path.parts) or path.is_relative_to(PYTHON_LIBRARY):
-            continue  # (an environment, or Python itself, inside the project's folder or $HOME)
-        for root in roots:
-            if path.is_relative_to(root):
-                shown = path.relative_to(root.parent if root == KIT else root)
-                return f"{shown}:{line} in {function}"
-    return "no frame of the recipe or ddpkit (see its stacks)"
+# What a frame's code is: the recipe's or ddpkit's (OWN_CODE), torch's, Python's own (its
+# standard library), or anyone else's (a library, a user's hook or autograd function).
+OWN_CODE, TORCH_CODE, PYTHON_CODE, OTHER_CODE = "own", "torch", "python", "other"
 
 
-def main_thread_frames() -> list[tuple[str, int, str]]:
-    frame = sys._current_frames().get(threading.main_thread().ident)
+def code_of(filename: str, roots: tuple[Path, ...]) -> str:
+    """Whose code a frame's file is (an environment inside the project's folder is not the
+    project's, nor Python's when it lies inside Python's own folder)."""
+    if filename.startswith("<frozen "):
+        return PYTHON_CODE
+    path = Path(filename).resolve()
+    package = installed_as(path)
+    if package:
+        return TORCH_CODE if package[0] == "torch" or path.is_relative_to(torch_folder()) else OTHER_CODE
+    if path.is_relative_to(PYTHON_LIBRARY):
+        return PYTHON_CODE
+    if any(path.is_relative_to(root) for root in roots):
+        return OWN_CODE
+    return TORCH_CODE if path.is_relative_to(torch_folder()) else OTHER_CODE
+
+
+def installed_as(path: Path) -> tuple[str, ...]:
+    """The parts of `path` inside the environment it is installed in (after its innermost
+    site-packages), or () when it is not installed."""
+    places = [i for i, part in enumerate(path.parts[:-1]) if part in ("site-packages", "dist-packages")]
+    return path.parts[places[-1] + 1:] if places else ()
+
+
+def torch_folder() -> Path:
+    """Where the torch this process imported lies (a source build need not be in an environment)."""
+    torch = sys.modules.get("torch")
+    file = getattr(torch, "__file__", None)
+    return Path(file).resolve().parent if file else Path("/nonexistent")
+
+
+def shown(filename: str, roots: tuple[Path, ...]) -> str:
+    """A frame's file as the report names it: relative to the project, or to the environment
+    it is installed in, else as it is."""
+    path = Path(filename).resolve()
+    if installed_as(path):
+        return str(Path(*installed_as(path)))
+    for root in roots:
+        if path.is_relative_to(root):
+            return str(path.relative_to(root.parent if root == KIT else root))
+    return filename
+
+
+def where_it_runs(frames: list[tuple[str, int, str]], roots: tuple[Path, ...]) -> tuple[str, str]:
+    """Where a rank is, from its frames (file, line, function; outermost first): its innermost
+    frame in `roots` (the recipe's directory, ddpkit/), as `file.py:LINE in function`; or,
+    when code that is neither the project's, torch's nor Python's runs inside it (a library,
+    a user's backward hook or autograd function, often inside backward()), that code's
+    innermost frame, `called from` the project's. And whose code runs there: that of the
+    innermost frame outside Python's own (OWN_CODE, TORCH_CODE or OTHER_CODE): only a rank
+    in torch's may wait in a collective it did not label."""
+    codes = [code_of(filename, roots) for filename, _, _ in frames]
+    named = [f"{shown(filename, roots)}:{line} in {function}" for filename, line, function in frames]
+    inner = [i for i in reversed(range(len(frames))) if codes[i] != PYTHON_CODE]  # (innermost first)
+    runs = codes[inner[0]] if inner else PYTHON_CODE
+    own = next((i for i in inner if codes[i] == OWN_CODE), -1)
+    other = next((i for i in inner if codes[i] == OTHER_CODE), -1)
+    if other > own:
+        return named[other] + (f", called from {named[own]}" if own >= 0 else ""), runs
+    return (named[own] if own >= 0 else "no frame of the recipe or ddpkit (see its stacks)"), runs
+
+
+def stack_of(frame) -> list[tuple[str, int, str]]:
     frames = []
     while frame is not None:
         frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
     return frames[::-1]
+
+
+def main_thread_frames() -> list[tuple[str, int, str]]:
+    """The main thread's frames, outermost first, and those of the threads that Python did not
+    start, should it be in backward() (joined_stack)."""
+    current = sys._current_frames()
+    # (a thread of autograd's that called threading.current_thread() is listed there as a dummy)
+    started = {t.ident for t in threading.enumerate() if not isinstance(t, threading._DummyThread)}
+    others = [stack_of(frame) for ident, frame in current.items() if ident not in started]
+    return joined_stack(stack_of(current.get(threading.main_thread().ident)), others)
+
+
+def joined_stack(main: list[tuple[str, int, str]], unstarted: list[list[tuple[str, int, str]]]) -> list[tuple[str, int, str]]:
+    """The main thread's frames (outermost first); while it waits in backward(), followed by
+    those of the threads Python did not start (`unstarted`) that run Python code: autograd
+    runs the hooks and autograd functions of a GPU's tensors in a thread of its own for that
+    device, while the main thread waits for it (a CPU's run in the main thread itself)."""
+    if not main or not TORCH_BACKWARD.search(main[-1][0].replace(os.sep, "/")):
+        return main
+    return main + [frame for frames in unstarted for frame in frames]
 
 
 def faulthandler_frames(text: str) -> list[tuple[str, int, str]]:
@@ -233,11 +308,14 @@ class HangWatch:
         """This rank's stacks and summary; then, if it waits, the verdict once the others had
         time to answer (the lowest waiting rank prints it)."""
         frames = main_thread_frames()
-        where = innermost_own_frame(frames, self.roots)
-        inside_torch = any(TORCH_WAITS.search(f.replace(os.sep, "/")) for f, _, _ in frames)
-        waits = what if kind == WAITS or (kind == STEP and inside_torch) else ""
+        where, runs = where_it_runs(frames, self.roots)
+        running_other = runs == OTHER_CODE
+        inside_torch = runs == TORCH_CODE and any(TORCH_WAITS.search(f.replace(os.sep, "/")) for f, _, _ in frames)
+        waits = what if (kind == WAITS and not running_other) or (kind == STEP and inside_torch) else ""
         waited = time.monotonic() - since
-        doing_now = f"waits in {waits}" if waits else f"is busy {what}" if kind == OWN else f"has not reached {what}"
+        doing_now = (f"waits in {waits}" if waits else f"is busy {what}" if kind == OWN else
+                     f"runs code outside the recipe, ddpkit and torch, before {what}" if running_other else
+                     f"has not reached {what}")
         self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), after step {_step[0]}: {doing_now} for "
                         f"{waited:.0f} s, at {where}\n")
         self.file.flush()
@@ -281,7 +359,7 @@ class HangWatch:
         seen = process_state(peer.pid)
         text = self.stacks_of(peer)
         if text:  # faulthandler wrote them: a C call held its interpreter
-            seen += f", at {innermost_own_frame(faulthandler_frames(text), self.roots)} (faulthandler's stacks)"
+            seen += f", at {where_it_runs(faulthandler_frames(text), self.roots)[0]} (faulthandler's stacks)"
         return seen
 
     def read_summaries(self, since: float) -> dict[int, dict]:

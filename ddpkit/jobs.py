@@ -45,6 +45,7 @@ from ddpkit.launch import (
     EXIT_LOST_PEER,
     EXIT_STOPPED,
     EXIT_USAGE,
+    INTERRUPTED,
     PROG,
     AlreadyComplete,
     Diverged,
@@ -62,7 +63,7 @@ from ddpkit.options import RunOptions, changeable, flag, option_args, parse_opti
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
-from ddpkit.slurm_job import WORLD_SIZES, requeue_job
+from ddpkit.slurm_job import FIRST_START_ONLY, WORLD_SIZES, requeue_job
 from ddpkit.time_limit import TimeLimit, read_job_times
 from ddpkit.training_run import TrainingRun, new_run
 
@@ -75,13 +76,13 @@ def requeue_slurm_job(launch: Launch) -> bool:
     return requeue_job(launch.job_id, timeout=SCONTROL_TIMEOUT)
 
 
-# What a command that continues a run leaves out: where the first one started from, the
-# testing aid (it would stop the run again at the same step), staging alone, a profile (it
-# was taken); and, under
+# What a command that continues a run leaves out: the options of its first start alone
+# (slurm_job.FIRST_START_ONLY: where it started from, the testing aid that would stop the run
+# again at the same step), staging alone, a profile (it was taken); and, under
 # run_training.sbatch, what the batch file passes itself (from LOG_DIR and RUN_NAME; it
 # refuses these options after its name). The data directories stay: an option given after
 # the batch file's name wins over DATA_DIR.
-NOT_CONTINUED = ("resume", "interrupt_at", "download_only", "profile")
+NOT_CONTINUED = tuple(name[2:].replace("-", "_") for name in FIRST_START_ONLY) + ("download_only", "profile")
 SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
 
 
@@ -367,6 +368,7 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
     startup = StartupClock()  # first: its "imports" are the time since the process started
     argv = sys.argv[1:] if argv is None else list(argv)
     stop, who = stop or StopSignals(), ""  # signal handlers first: one during start-up is kept, not fatal
+    stop.loading = False  # (a Ctrl-C from here on ends below, after the teardown)
     code, launch, options, job = EXIT_BUG, None, None, None
     try:
         launch = read_launch_env(os.environ, alone_ok=True)
@@ -391,7 +393,7 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
     except Diverged as err:
         code = fail(err, EXIT_DIVERGED, who)
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
-        code = fail("interrupted (Ctrl-C) before training started; nothing was saved", 128 + signal.SIGINT, who)
+        code = fail(INTERRUPTED, 128 + signal.SIGINT, who)
     except Exception as err:
         code = fail(*failure(err, job, options), who=who)
     finally:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ddpkit.slurm_job import (  # noqa: F401
 )
 
 PROG = "mnist_ddp.py"
+INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"
 NOT_RETRIED = (EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED)  # a restart repeats them, or they asked to stop
 
 
@@ -58,13 +60,17 @@ class StopSignals:
     save is a step away changes nothing (torchrun passes a second one on as SIGTERM, and
     kills workers still saving after 30 s). Before training starts there is nothing to
     save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a rendezvous or a
-    download. A SIGINT or SIGHUP that the parent set to be ignored (nohup) stays ignored.
+    download; while the program still loads (torch takes seconds), with no traceback through
+    the import. A SIGINT or SIGHUP that the parent set to be ignored (nohup) stays ignored.
     Under run_training.sbatch only its SIGNAL (USR1 by default) requeues the job; the
     others save and stop. On rank 0 the job's time limit asks for a stop and a requeue too,
     when it comes near (time_limit.TimeLimit, set once the run starts)."""
 
-    def __init__(self):
+    def __init__(self, loading: bool = False):
         self.received, self.training = 0, False
+        # Made while the program's code still loads (until the job runner takes over): a
+        # Ctrl-C then has nothing to tear down, and ends the process here.
+        self.loading = loading
         self.time_limit, self.time_up = None, False
         signals = [signal.SIGUSR1, signal.SIGTERM]
         # One the parent set to be ignored stays ignored: SIGHUP under nohup, SIGINT in a
@@ -73,6 +79,10 @@ class StopSignals:
         self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
 
     def handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.loading:
+            # Not an exception: code being imported may catch every one (a bare except) and go on.
+            print(f"{PROG}: error: {INTERRUPTED}", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGINT)  # (the job runner's code for a Ctrl-C before training)
         if signum == signal.SIGINT and not self.training:
             raise KeyboardInterrupt
         # The first one says why: a Ctrl-C stays a Ctrl-C, which asks for no requeue.

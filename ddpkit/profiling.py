@@ -1,9 +1,11 @@
 """A profile on demand: --profile N records N steps on every rank with torch.profiler, after
 WARMUP steps of this start, or the next N (10 with --profile 0) steps once RUN_DIR/profile-now
 appears (`touch` it while the job runs: rank 0 looks for it every --log-every steps, and the
-per-step agreement starts every rank's profile at the same step). Each rank writes a
-Chrome/Perfetto trace, RUN_DIR/profile/steps-<first>-<last>/rank-<r>.json; rank 0 prints the
-top operators and the share of the steps' time that communication was under way."""
+per-step agreement starts every rank's profile at the same step). A profile ends at the
+run's last step at the latest, before the final evaluation and checkpoint, and is named by
+the steps it records. Each rank writes a Chrome/Perfetto trace,
+RUN_DIR/profile/steps-<first>-<last>/rank-<r>.json; rank 0 prints the top operators and the
+share of the steps' time that communication was under way."""
 
 import re
 import time
@@ -30,10 +32,17 @@ def communication_share(events, seconds: float) -> float:
 class StepProfiler:
     """Starts and stops torch.profiler at the steps the run agreed on (every rank alike)."""
 
-    def __init__(self, *, run_dir: Path, rank: int, is_main: bool, device: torch.device, steps: int, first_step: int):
+    def __init__(self, *, run_dir: Path, rank: int, is_main: bool, device: torch.device, steps: int, first_step: int,
+                 last_step: int):
         self.run_dir, self.rank, self.is_main, self.device = run_dir, rank, is_main, device
         self.steps = steps                 # --profile N
+        self.last_step = last_step         # the run's last step: no profile records past it
         self.start_at = first_step + WARMUP if steps else None  # (the step count after which it starts)
+        if self.start_at is not None and self.start_at >= last_step:
+            self.start_at = None
+            if is_main:
+                print(f"--profile {steps} records nothing: this start trains {last_step - first_step} steps, and a "
+                      f"profile begins after {WARMUP} of warm-up", flush=True)
         self.profiler, self.first, self.until, self.began, self.folder = None, 0, 0, 0.0, None
 
     def requested(self) -> bool:
@@ -52,29 +61,25 @@ class StepProfiler:
             if step >= self.until:
                 self.finish(step)
             return agreed_request
+        if step >= self.last_step:  # (a request at the last step: no step is left to record)
+            return False
         if step == self.start_at or agreed_request:
             self.start(step, self.steps if step == self.start_at else (self.steps or ON_REQUEST))
         return False
-
-    def finish_early(self, step: int) -> None:
-        """The run ends while a profile records: it ends here (with no step recorded, silently)."""
-        if self.profiler is not None and step >= self.first:
-            self.finish(step)
-        elif self.profiler is not None:
-            self.profiler.stop()
-            self.profiler = None
 
     def start(self, step: int, steps: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self.first, self.until, self.began = step + 1, step + steps, time.perf_counter()
+        # Cut at the run's last step: the evaluation and checkpoint that end the run are no step.
+        self.first, self.until, self.began = step + 1, min(step + steps, self.last_step), time.perf_counter()
         # (named by the steps, which every rank agrees on; a later profile of the same steps replaces it)
         self.folder = (self.run_dir / "profile" / f"steps-{self.first}-{self.until}").resolve()
         self.profiler = profile(activities=activities)
         self.profiler.start()
         if self.is_main:
-            print(f"profiling steps {self.first} to {self.until} on every rank", flush=True)
+            cut = f" (the run ends at step {self.last_step})" if self.until < step + steps else ""
+            print(f"profiling steps {self.first} to {self.until} on every rank{cut}", flush=True)
 
     def finish(self, step: int) -> None:
         before = hangs.doing("writing a profile", hangs.OWN)  # (a large trace takes a while)

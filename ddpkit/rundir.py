@@ -15,7 +15,7 @@ from ddpkit.distributed import Runtime, broadcast_from_main
 from ddpkit.launch import Launch, UsageError, write_exit_file
 from ddpkit.options import RunOptions
 from ddpkit.recovery import storage_problem
-from ddpkit.slurm_job import default_run_name
+from ddpkit.slurm_job import default_run_name, run_name_setting
 
 
 def choose_run_dir(config: RunOptions, launch: Launch) -> Path:
@@ -74,7 +74,7 @@ class RunClaim:
             self.file.close()
             holder = holder or "another process"
             raise RunDirTaken(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
-                              "--run-name to start a separate run") from None
+                              f"{run_name_setting()} to start a separate run") from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

@@ -51,15 +51,18 @@ def gpu_figures(device: torch.device) -> dict:
 
 def view_command(log_dir: Path) -> str:
     """The command that shows these runs, to paste from where this run started: the project's
-    tensorboard.sh (which prints the tunnel and finds the .venv) when it sits beside ddpkit/,
-    else TensorBoard itself."""
+    tensorboard.sh (which prints the tunnel) when it sits beside ddpkit/, else TensorBoard
+    itself. It names this run's interpreter, as the continue lines do, unless tensorboard.sh
+    finds it by itself (the project's .venv): no environment need be active."""
     script = Path(__file__).resolve().parents[1] / "tensorboard.sh"
     if not script.exists():
-        return f"tensorboard --logdir {shlex.quote(str(log_dir))}"
+        return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir {shlex.quote(str(log_dir))}"
     script = script.resolve()  # (the project's, where a job's copy of the code links to it)
     shown = os.path.relpath(script)
     shown = str(script) if shown.startswith("..") else os.path.join(".", shown)
-    return f"{shlex.quote(shown)} --logdir {shlex.quote(str(log_dir))}"
+    found = Path(sys.prefix).resolve() == (script.parent / ".venv").resolve()
+    python = "" if found else f"PYTHON={shlex.quote(sys.executable)} "
+    return f"{python}{shlex.quote(shown)} --logdir {shlex.quote(str(log_dir))}"
 
 
 def usable_cpus() -> int:
@@ -195,9 +198,19 @@ def declare_hparams(log_dir: Path, hparams: HParams) -> None:
             hparam_infos=infos, metric_infos=metrics)))
 
 
+# What a resume reads of each record: its step, and the epoch's seconds and accuracy (the
+# training time so far, the best epoch). A line without them is not one of the run's records.
+RECORD_FIELDS = {"step": int, "epoch_s": (int, float), "test_accuracy": (int, float)}
+
+
+def is_record(record: object) -> bool:
+    return isinstance(record, dict) and all(isinstance(record.get(name), kind) for name, kind in RECORD_FIELDS.items())
+
+
 def read_metrics_tolerantly(path: Path) -> list[dict]:
     """metrics.jsonl's records, without a line that a crash cut short while it was being
-    appended (and any other line that is not a record), each dropped with a warning."""
+    appended (and any other line that is not a record: hand-edited, another tool's), each
+    dropped with a warning."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
@@ -208,7 +221,7 @@ def read_metrics_tolerantly(path: Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        if is_record(record):
             records.append(record)
         else:
             print(f"warning: dropping line {number} of {path}, which is not a whole record: {line[:80]!r}",

@@ -52,6 +52,12 @@ SIGNALS = ("USR1", "TERM", "HUP", "INT")
 PASSED_ON = ("PROJECT_DIR", "SCRIPT", "SETUP", "CONDA_ENV", "VENV", "PYTHON", "NODE_DATA_DIR", "LAUNCHER",
              "MAX_RESTARTS", "MIN_NODES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CONTAINER",
              "CONTAINER_RUNTIME", "CONTAINER_CMD", "SIGNAL")
+# The options that belong to a run's first start alone: where it started from (a restart or a
+# requeue goes on from the run's own newest checkpoint, as --resume auto does; --resume never
+# would refuse it) and the stop rehearsed at a chosen step (it would stop the run there again).
+# The step that continues a run, and every line printed to continue it, leave them out.
+FIRST_START_ONLY = ("--resume", "--interrupt-at")
+CKPT_NAME = "ckpt-{:08d}.pt"  # the one name of the checkpoint of each step, in RUN_DIR/checkpoints
 
 
 class JobError(Exception):
@@ -60,12 +66,65 @@ class JobError(Exception):
 
 # ----------------------------------------------------------------------------- rules the ranks share
 
+def without_first_start_options(args: List[str]) -> List[str]:
+    """The options with those of FIRST_START_ONLY left out, as --opt VALUE or --opt=VALUE."""
+    kept, value_next = [], False  # type: List[str], bool
+    for arg in args:
+        if value_next:
+            value_next = False
+        elif arg in FIRST_START_ONLY:
+            value_next = True
+        elif arg.partition("=")[0] not in FIRST_START_ONLY:
+            kept.append(arg)
+    return kept
+
+
+def option_value(args: List[str], option: str) -> str:
+    """The value the last --option VALUE or --option=VALUE of args gives, or ""."""
+    value = ""
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg[len(option) + 1:]
+    return value
+
+
+def step_of_checkpoint(name: str) -> int:
+    """The step in a checkpoint's file name (ckpt-00000120.pt: 120), -1 for any name but the one
+    a run gives the checkpoint of that step: ckpt-best.pt, or ckpt-120.pt beside
+    ckpt-00000120.pt, is a user's copy, never taken for the run's own."""
+    match = re.fullmatch(r"ckpt-(\d+)\.pt", name)
+    return int(match.group(1)) if match and name == CKPT_NAME.format(int(match.group(1))) else -1
+
+
+def continuing_args(given: List[str], run_dir: str) -> List[str]:
+    """The options of a restart or a requeue, which go on from the run's own newest checkpoint:
+    without those of FIRST_START_ONLY. But while the run holds none (its first start ended
+    before its first save), a --resume FILE stays: else it would start afresh, not from FILE."""
+    kept = without_first_start_options(given)
+    resume = option_value(given, "--resume")
+    try:
+        names = os.listdir(os.path.join(run_dir, "checkpoints"))
+    except OSError:
+        names = []
+    if resume not in ("", "auto", "never") and not any(step_of_checkpoint(name) >= 0 for name in names):
+        kept.append("--resume=" + resume)
+    return kept
+
+
 def is_run_name(name: str) -> bool:
     """The one rule for a run's name: one directory name, so that LOG_DIR/NAME stays in LOG_DIR."""
     return re.fullmatch(f"[{sweeplines.NAME_CHARS}]+", name) is not None and name not in (".", "..")
 
 
 RUN_NAME_RULE = "one directory name of letters, digits and ._-+=,@ (no / or spaces, not . or ..)"
+
+
+def run_name_setting() -> str:
+    """How advice names another run: --run-name, or in a job of run_training.sbatch (which
+    reads RUN_NAME and refuses --run-name after its file name) RUN_NAME."""
+    return "RUN_NAME" if os.environ.get("MNIST_DDP_RESUBMIT") else "--run-name"
 
 
 def this_job(env: Mapping[str, str]) -> str:
@@ -170,6 +229,7 @@ class Settings:
     the job's own facts. read_settings fills every field."""
     project = shared = script = data_dir = log_dir = run_name = launcher = signal = sweep_file = ""
     node_data_dir = python = environment = batch_file = job = ""
+    passed_on = {}  # type: Dict[str, str]  # the PASSED_ON settings as given, before the supervisor sets any
     check = interactive = min_nodes_set = False
     max_restarts = master_port = ntasks = nodes = tasks_per_node = 0
     job_nodes = min_nodes = 0  # the nodes the job was given; the fewest it goes on with after losing some
@@ -211,6 +271,7 @@ def read_settings(env: Mapping[str, str], project: str, batch_file: str, environ
     s = Settings()
     s.project, s.batch_file, s.environment, s.args = project, batch_file, environment, list(args)
     s.job, s.interactive = this_job(env), fields.get("BatchFlag") == "0"
+    s.passed_on = {name: env[name] for name in PASSED_ON if env.get(name)}
     s.shared = env.get("SHARED_DIR") or env.get("SLURM_SUBMIT_DIR") or os.getcwd()
     s.script = env.get("SCRIPT") or os.path.join(project, "mnist_ddp.py")
     s.data_dir = env.get("DATA_DIR") or os.path.join(s.shared, "data")
@@ -333,14 +394,17 @@ def ranks_python(s: Settings, env: Mapping[str, str]) -> str:
 
 def code_files(directory: str, leave_out: Tuple[str, ...] = ()) -> List[str]:
     """The code under a directory, relative to it: every .py file, outside hidden directories,
-    virtual environments, __pycache__ and the directories in leave_out (the runs, the data)."""
+    virtual environments, __pycache__ and the directories in leave_out (the runs, the data).
+    Not hidden files, nor links to nothing: an editor's lock (Emacs' .#mnist_ddp.py, a link
+    while a file has unsaved edits) is no code, and nothing can import a dangling link."""
     names = []  # type: List[str]
     for top, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not (d.startswith(".") or d == "__pycache__"
                                                  or os.path.realpath(os.path.join(top, d)) in leave_out
                                                  or os.path.exists(os.path.join(top, d, "pyvenv.cfg"))
                                                  or os.path.isdir(os.path.join(top, d, "conda-meta"))))
-        names += sorted(os.path.relpath(os.path.join(top, name), directory) for name in files if name.endswith(".py"))
+        names += sorted(os.path.relpath(os.path.join(top, name), directory) for name in files
+                        if name.endswith(".py") and not name.startswith(".") and os.path.exists(os.path.join(top, name)))
     return names
 
 
@@ -362,30 +426,57 @@ def take_snapshot(s: Settings) -> str:
     partial = copy + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        os.makedirs(os.path.join(partial, "ddpkit"))
-        names = code_files(source, leave_out)
-        if not os.path.isdir(os.path.join(source, "ddpkit")):  # a SCRIPT of the user's beside no ddpkit/
-            names += [os.path.join("ddpkit", name) for name in code_files(os.path.join(s.project, "ddpkit"))]
-        for name in names:
-            os.makedirs(os.path.dirname(os.path.join(partial, name)), exist_ok=True)
-            origin = os.path.join(s.project if name.startswith("ddpkit") and name not in code_files(source) else source,
-                                  name)
-            shutil.copy2(origin, os.path.join(partial, name))
-        for name in ("data", "tensorboard.sh"):
-            if os.path.exists(os.path.join(s.project, name)) and not os.path.exists(os.path.join(partial, name)):
-                os.symlink(os.path.join(os.path.abspath(s.project), name), os.path.join(partial, name))
-        write_git_state(s.project, partial)
-        previous = copy if os.path.isdir(copy) else newest_other_copy(os.path.dirname(copy), copy)
-        changed = code_changes(previous, partial) if previous else []
-        shutil.rmtree(copy, ignore_errors=True)  # (this job's own, from an earlier start inside salloc)
-        os.rename(partial, copy)
-    except OSError as err:
-        raise JobError(f"cannot copy the code this job runs into {copy} ({err.strerror or err}); set LOG_DIR to a "
-                       "writable directory") from None
+        changed, previous = copy_code(s, source, leave_out, partial, copy)
+    except BaseException as err:  # (Ctrl-C inside salloc too): no job-N.partial left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise JobError(f"cannot copy the code this job runs into {copy} ({err.strerror or err}); set LOG_DIR to a "
+                           "writable directory") from None
+        raise
     if changed:
         print(f"code: this job runs code that differs from {os.path.basename(previous)}'s ({previous}): "
               f"{', '.join(changed)}", flush=True)
     return copy
+
+
+def copy_code(s: Settings, source: str, leave_out: Tuple[str, ...], partial: str, copy: str) -> Tuple[List[str], str]:
+    """take_snapshot's copy, into `partial`, then renamed to `copy`: (the files that differ from
+    the previous copy, that copy or ""). A source file it cannot read is a JobError naming it;
+    an OSError is the copy's own (LOG_DIR's)."""
+    os.makedirs(os.path.join(partial, "ddpkit"))
+    names = code_files(source, leave_out)
+    if not os.path.isdir(os.path.join(source, "ddpkit")):  # a SCRIPT of the user's beside no ddpkit/
+        names += [os.path.join("ddpkit", name) for name in code_files(os.path.join(s.project, "ddpkit"))]
+    in_source = code_files(source)
+    for name in names:
+        os.makedirs(os.path.dirname(os.path.join(partial, name)), exist_ok=True)
+        origin = os.path.join(s.project if name.startswith("ddpkit") and name not in in_source else source, name)
+        check_readable(origin)
+        shutil.copy2(origin, os.path.join(partial, name))
+    for name in ("data", "tensorboard.sh"):
+        if os.path.exists(os.path.join(s.project, name)) and not os.path.exists(os.path.join(partial, name)):
+            os.symlink(os.path.join(os.path.abspath(s.project), name), os.path.join(partial, name))
+    write_git_state(s.project, partial)
+    previous = copy if os.path.isdir(copy) else newest_other_copy(os.path.dirname(copy), copy)
+    changed = code_changes(previous, partial) if previous else []
+    shutil.rmtree(copy, ignore_errors=True)  # (this job's own, from an earlier start inside salloc)
+    os.rename(partial, copy)
+    return changed, previous
+
+
+def check_readable(path: str) -> None:
+    """A source file of the code the job runs, which the copy must read: one line naming it
+    when it cannot (a named pipe, a file the job's user may not read)."""
+    why = "" if os.path.isfile(path) else "not a regular file"
+    if not why:
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            why = err.strerror or str(err)
+    if why:
+        raise JobError(f"cannot copy {path} into the job's copy of its code ({why}); move it out of the project, or "
+                       "make it a readable file")
 
 
 def code_changes(previous: str, copy: str) -> List[str]:
@@ -458,13 +549,16 @@ def preflight(s: Settings) -> str:
     return last_line(result.stdout)
 
 
-def training_args(s: Settings, script: str) -> List[str]:
+def training_args(s: Settings, script: str, first_start: bool = True) -> List[str]:
     """The training script's command line: the directories and run name of this job, then the
-    sweep line's options and the ones given after the batch file's name (they win)."""
-    args = [script, "--data-dir", s.data_dir, "--log-dir", s.log_dir, "--run-name", s.run_name]
+    sweep line's options and the ones given after the batch file's name (they win); after the
+    first start, continuing_args. The directories and the name as
+    --opt=VALUE, one word whatever the value (RUN_NAME=-lr3: `--run-name -lr3` is two options)."""
+    args = [script, "--data-dir=" + s.data_dir, "--log-dir=" + s.log_dir, "--run-name=" + s.run_name]
     if s.node_data_dir:
-        args += ["--node-data-dir", s.node_data_dir]
-    return args + s.sweep_args + s.args
+        args.append("--node-data-dir=" + s.node_data_dir)
+    given = s.sweep_args + s.args
+    return args + (given if first_start else continuing_args(given, s.run_dir))
 
 
 def step_command(s: Settings, task_file: str, train: List[str], launcher: str = "") -> List[str]:
@@ -517,9 +611,10 @@ def resubmit_line(s: Settings, env: Mapping[str, str], fields: Mapping[str, str]
     if env.get("SLURM_JOB_NAME", "mnist-ddp") != "mnist-ddp":
         request.append("--job-name=" + env["SLURM_JOB_NAME"])
     request.append(s.batch_file or os.path.join(s.project, PROG))
-    settings = ["SHARED_DIR=" + s.shared, "DATA_DIR=" + s.data_dir, "LOG_DIR=" + s.log_dir, "RUN_NAME=" + s.run_name]
-    settings += [f"{name}={env[name]}" for name in PASSED_ON if env.get(name)]
-    return sweeplines.quote_words(settings + request)
+    settings = [("SHARED_DIR", s.shared), ("DATA_DIR", s.data_dir), ("LOG_DIR", s.log_dir), ("RUN_NAME", s.run_name)]
+    settings += list(s.passed_on.items())
+    # NAME=value with the value alone quoted: a shell reads a quoted 'NAME=value' as a command.
+    return " ".join(f"{name}={shlex.quote(value)}" for name, value in settings) + " " + sweeplines.quote_words(request)
 
 
 def gpu_request(fields: Mapping[str, str], env: Mapping[str, str]) -> List[Tuple[str, str]]:
@@ -818,9 +913,11 @@ class Supervisor:
         env["MNIST_DDP_RESUBMIT"] = resubmit_line(s, env, self.fields)
         shutil.rmtree(s.job_dir, ignore_errors=True)
         signal.signal(getattr(signal, "SIG" + s.signal), self.forward_signal)
-        train = training_args(s, os.path.join(code, os.path.basename(s.script)) if code else s.script)
+        script = os.path.join(code, os.path.basename(s.script)) if code else s.script
+        requeued = int(env.get("SLURM_RESTART_COUNT") or 0) > 0
         attempts = s.max_restarts + 1
         for attempt in range(1, attempts + 1):
+            train = training_args(s, script, first_start=attempt == 1 and not requeued)
             for name in os.listdir(s.job_dir) if os.path.isdir(s.job_dir) else []:
                 if name.startswith("rank-") or name == "requeue":
                     os.remove(os.path.join(s.job_dir, name))
@@ -913,11 +1010,10 @@ class Supervisor:
                     line = file.read().strip()
             except OSError:
                 line = ""
-            if line:
-                print(f"{why}, from {shlex.quote(os.environ.get('SLURM_SUBMIT_DIR', os.getcwd()))}: {line}")
-            else:
-                print(f"{why}: rank 0 ended before it wrote the command that continues this run; submit the same command "
-                      f"again with RUN_NAME={shlex.quote(s.run_name)}")
+            if not line:  # rank 0 ended before it wrote it: the options a restart would get
+                given = sweeplines.quote_words(continuing_args(s.sweep_args + s.args, s.run_dir))
+                line = f"{os.environ['MNIST_DDP_RESUBMIT']} {given}".rstrip()
+            print(f"{why}, from {shlex.quote(os.environ.get('SLURM_SUBMIT_DIR', os.getcwd()))}: {line}")
         sys.stdout.flush()
         return status
 

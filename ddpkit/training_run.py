@@ -3,8 +3,9 @@ line (a step done, a checkpoint when one is due, a stop when every rank agreed t
 evaluation, the epoch's end); TrainingRun holds what each one costs: the run's Progress and
 loss sums, the one-step-late agreement between the ranks, the checkpoint files, the stop's
 reasons (a signal, or the job's time limit near), the epoch's record, the run's log, and
-after the first epoch whether the run fits in the job's time. Every rank makes every call,
-in the same order: the calls that talk to the other ranks are among them.
+after the first epoch whether the run fits in the job's time and whether its ranks mostly
+wait for the gradient all-reduce. Every rank makes every call, in the same order: the calls
+that talk to the other ranks are among them.
 
 jobs.Job.start_run makes one (new_run); a loss or weights that are not finite end it with
 launch.Diverged, raised from these calls; the loop itself ends a stop with launch.Stopped."""
@@ -20,7 +21,7 @@ import torch
 
 from ddpkit import hangs
 from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
-from ddpkit.distributed import Runtime, all_reduce, set_background
+from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
 from ddpkit.launch import Diverged, StartupClock, StopSignals
 from ddpkit.options import RunOptions
 from ddpkit.profiling import StepProfiler
@@ -31,6 +32,19 @@ from ddpkit.time_limit import TimeLimit
 
 # What the ranks do together during a training step: DDP averages the gradients inside backward().
 GRADIENT_ALL_REDUCE = "the gradient all-reduce of a training step"
+# Above this share of the forward and backward passes spent waiting for that all-reduce,
+# rank 0 says, once, that more ranks cost more than they bring.
+MOSTLY_WAITING = 0.5
+
+
+def waiting_line(wait: tuple[float, float, float], *, epoch: int, images_per_rank: int) -> str:
+    """What rank 0 says when waiting for the gradient all-reduce outweighs its compute, and what helps."""
+    share, compute_ms, wait_ms = wait
+    return (f"waiting for the other ranks: in epoch {epoch}, {100 * share:.0f} % of rank 0's forward and backward passes "
+            f"went to waiting for the gradient all-reduce (DDP's own timing, a step: {compute_ms:.1f} ms computing, "
+            f"{wait_ms:.1f} ms waiting); at {images_per_rank} images a rank, fewer ranks would train faster, or a larger "
+            "global batch (--global-batch, or --batch-size a rank) with --lr raised by the square root of its growth "
+            "(docs/defaults.md), unless a straggler line names one slow rank")
 
 
 class EpochLoss:
@@ -93,8 +107,10 @@ class TrainingRun:
         self.estimate_due = time_limit  # rank 0's watch on the job's end, until it said whether the run fits
         self.epoch_first_step = self.started_at = progress.step
         self.stragglers = Stragglers(hosts or []) if rt.is_main and self.timer.hook else None
+        self.wait_unjudged = rt.is_main and rt.world_size > 1  # (rank 0, at this start's first evaluation)
         self.profiler = StepProfiler(run_dir=run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
-                                     steps=options.profile, first_step=progress.step)
+                                     steps=options.profile, first_step=progress.step,
+                                     last_step=schedule_offset + total_steps)
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -190,7 +206,8 @@ class TrainingRun:
     def evaluate(self, evaluate: Callable[[], object]) -> None:
         """Evaluate where training stands and log it as the epoch's record. `evaluate` returns
         the recipe's Evaluation: each of its metrics (name -> float; "loss" and "accuracy"
-        among them) goes into the record as test_<name>."""
+        among them) goes into the record as test_<name>. At this start's first, rank 0 also
+        judges how long its steps waited for the other ranks (judge_waiting)."""
         rt, progress = self.rt, self.progress
         hangs.doing("evaluating", hangs.OWN)
         self.timer.pause()  # (its forward passes are not steps)
@@ -207,6 +224,8 @@ class TrainingRun:
             "epoch_s": time.perf_counter() - self.epoch_started, "peak_rss_mb": peak_rss_mb(rt), **gpu_figures(rt.device)}
         every = self.options.image_every
         self.logger.epoch(progress.last_record, evaluation, pictures=every > 0 and progress.epoch % every == 0)
+        if self.wait_unjudged:
+            self.judge_waiting()
 
     def epoch_done(self) -> None:
         """The epoch's steps are over: the next epoch starts at its first step (not when the
@@ -237,7 +256,6 @@ class TrainingRun:
         so, so that running the same command again finds nothing left to do. (A run stopped
         at its very last step, or at the cap, before the evaluation, evaluates here.)"""
         progress = self.progress
-        self.profiler.finish_early(progress.step)
         if self.evaluation_due():
             self.startup = None  # (no step follows: no `ready in` line)
             self.epoch_begins()
@@ -263,6 +281,15 @@ class TrainingRun:
         _, slowest_ms, median_ms, line = self.stragglers.window(step_ms)
         self.logger.speed(self.progress.step, slowest_ms, median_ms)
         if line:
+            self.logger.note(line, self.progress.step)
+
+    def judge_waiting(self) -> None:
+        """(rank 0, once) When DDP's own timing of this start's steps says that waiting for the
+        gradient all-reduce took most of each forward and backward, a line says so."""
+        self.wait_unjudged = False
+        wait = gradient_wait(ddp_statistics(self.state.get("model")))
+        if wait and wait[0] > MOSTLY_WAITING:
+            line = waiting_line(wait, epoch=self.progress.epoch, images_per_rank=self.global_batch // self.rt.world_size)
             self.logger.note(line, self.progress.step)
 
     def this_step(self) -> Verdict:

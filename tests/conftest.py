@@ -40,6 +40,7 @@ SLURM_MODULES = ("test_slurm", "test_tunnel")
 SLOW_MODULES = ("test_tensorboard",)
 SLOW = {
     "test_adapt": {"test_own_image_folder_trains_through_both_feeds_alike",
+                   "test_own_model_or_loss_edited_into_a_copy_trains_stops_and_resumes_on_2_ranks",
                    "test_own_test_metric_is_two_lines_in_evaluate_and_reaches_the_line_the_jsonl_and_tensorboard"},
     "test_bad_input": {"test_read_only_data_dir_that_holds_the_data_is_used",
                        "test_run_dir_in_a_read_only_parent_trains_without_the_hparams_declaration",
@@ -61,6 +62,7 @@ SLOW = {
     "test_figures": {"test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier",
                      "test_every_figure_in_help_is_written_from_the_figure_files_and_checked"},
     "test_hangs": {"test_a_rank_hung_in_python_is_named_with_its_host_and_line_and_the_run_then_goes_on",
+                   "test_a_rank_stuck_in_a_backward_hook_outside_the_recipe_is_named_at_the_hooks_line",
                    "test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_faulthandler_stacks",
                    "test_a_slow_save_that_holds_the_others_up_is_named_and_the_run_goes_on",
                    "test_a_slowed_rank_is_named_as_the_straggler_and_tensorboard_has_the_speed_scalars",
@@ -74,7 +76,11 @@ SLOW = {
                           "test_ctrl_c_before_training_stops_at_once"},
     "test_overhead": {"test_default_run_on_staged_data_does_not_load_torchvision",
                       "test_the_first_step_says_how_long_start_up_took"},
+    "test_profiling": {"test_a_profile_cut_short_by_the_runs_end_names_only_the_steps_it_recorded",
+                       "test_a_resumed_run_profiles_the_steps_after_the_one_it_resumed_at",
+                       "test_rank_0_says_once_when_it_mostly_waits_for_the_other_ranks"},
     "test_resume": {"test_killed_rank_ends_the_job",
+                    "test_a_mid_epoch_resume_on_fewer_ranks_logs_the_epochs_train_loss_of_the_run_that_kept_its_own",
                     "test_a_run_goes_on_in_mid_epoch_on_another_number_of_ranks_as_if_it_had_kept_its_own"},
     "test_shell_scripts": {"test_printed_torchrun_lines_run_with_a_space_in_the_script_path",
                            "test_the_view_line_of_a_run_starts_tensorboard_sh_as_printed"},

@@ -1,7 +1,9 @@
-"""Adapting the template as README.md "Adapt it" says: your own image folder with only the
-command changed (through both data feeds, with 2 real Gloo ranks), your own model by
-replacing build_model, your own loss by replacing train_step, your own test metric by two
-lines added to a copy of evaluate.
+"""Adapting the template as README.md "Adapt it" and docs/adapt.md say: your own image
+folder with only the command changed (through both data feeds, with 2 real Gloo ranks);
+then, each in a copy of the project (mnist_ddp.py and ddpkit/) edited as the docs say and
+trained by 2 ranks started as srun starts them: your own model (a name in MODELS, picked
+with --model, and its branch in build_model), your own loss (the F.cross_entropy line of
+train_step), and your own test metric (two lines in evaluate).
 
 The image folder is made here, not stored: 3 classes of 3x32x32 PNG images, each class a
 visible pattern (a bright row, column or diagonal) on noise.
@@ -10,6 +12,7 @@ visible pattern (a bright row, column or diagonal) on noise.
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,7 +27,6 @@ from conftest import (
     make_image_folder,
     read_metrics,
     run_as_srun,
-    run_python,
     run_single,
 )
 from ddpkit.launch import EXIT_STOPPED
@@ -92,57 +94,66 @@ def tensorboard_text(run_dir: Path, tag: str) -> str:
     return events.Tensors(f"{tag}/text_summary")[0].tensor_proto.string_val[0].decode()
 
 
-# Your own model: build_model replaced, nothing else.
-OWN_MODEL = """
-import sys
-import torch.nn as nn
-import mnist_ddp
-
-def build_model(recipe, shape, classes):
-    channels, height, width = shape
-    return nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
-                         nn.Linear(8 * 4 * 4, classes))
-
-mnist_ddp.build_model = build_model
-sys.exit(mnist_ddp.main(sys.argv[1:]))
-"""
-
-# Your own loss: train_step with a squared error on the probabilities, nothing else.
-OWN_LOSS = """
-import sys
-import torch
-import torch.nn.functional as F
-import mnist_ddp
-
-def train_step(model, optimizer, lr, x, y, amp=False, label_smoothing=0.0):
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    probabilities = model(x).softmax(1)
-    loss = F.mse_loss(probabilities, F.one_hot(y, probabilities.shape[1]).float())
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-mnist_ddp.train_step = train_step
-sys.exit(mnist_ddp.main(sys.argv[1:]))
-"""
+def copy_of_the_project(tmp_path: Path) -> Path:
+    """What the README tells a user to copy: the recipe and the machinery beside it."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(SCRIPT, project / "mnist_ddp.py")
+    shutil.copytree(SCRIPT.parent / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    return project
 
 
-@pytest.mark.parametrize("driver", [OWN_MODEL, OWN_LOSS], ids=["own-model", "own-loss"])
-def test_own_model_or_loss_is_one_function(driver, folder, tmp_path):
-    """A replaced build_model or train_step trains on the folder, stops, resumes and finishes
-    with everything else as it is: checkpoints, evaluation, logs."""
-    script = tmp_path / "adapted.py"
-    script.write_text(driver)
-    args = folder_args(folder, "--batch-size", "16", "--run-name", "r")
-    stopped = run_python([*args, "--interrupt-at", "5:USR1"], tmp_path, script=script)
-    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-2000:]
-    finished = run_python(args, tmp_path, script=script)
-    assert_ok(finished)
-    metrics = read_metrics(tmp_path / "runs" / "r")
+def edit(path: Path, *changes: tuple[str, str]) -> None:
+    """Each change replaces the one occurrence of its text, as a user's edit would."""
+    text = path.read_text()
+    for old, new in changes:
+        assert text.count(old) == 1, f"the line docs/adapt.md points at is gone: {old!r}"
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def run_ranks(script: Path, args: list[str], cwd: Path) -> list:
+    """`python SCRIPT ARGS` as 2 srun tasks: the copy's own ddpkit is the one beside it."""
+    return run_as_srun(2, args, cwd=cwd, job_id="", command=[sys.executable, str(script)])
+
+
+# docs/adapt.md: your own model is a name in MODELS (picked with --model) and its branch in
+# build_model; your own loss is the F.cross_entropy line of train_step.
+OWN_MODEL = (('MODELS = (', 'MODELS = ("tiny", '),
+             ("    channels, height, width = shape\n",
+              "    channels, height, width = shape\n"
+              '    if recipe.model == "tiny":\n'
+              "        return nn.Sequential(nn.Conv2d(channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),\n"
+              "                             nn.Flatten(), nn.Linear(8 * 4 * 4, classes))\n"))
+OWN_LOSS = (("        loss = F.cross_entropy(model(x), y, label_smoothing=label_smoothing)\n",
+             "        probabilities = model(x).softmax(1)\n"
+             "        loss = F.mse_loss(probabilities, F.one_hot(y, probabilities.shape[1]).float())\n"),)
+
+
+@pytest.mark.parametrize("changes,more", [(OWN_MODEL, ["--model", "tiny"]), (OWN_LOSS, [])], ids=["own-model", "own-loss"])
+def test_own_model_or_loss_edited_into_a_copy_trains_stops_and_resumes_on_2_ranks(changes, more, folder, tmp_path):
+    """A model added to MODELS and build_model, or a loss written into train_step, in a copy
+    of the project: 2 ranks train it on the folder, stop on SIGUSR1 in epoch 1, go on from
+    the checkpoint and finish with everything else as it is (checkpoints, evaluation, logs).
+    What trained is the edit: the tiny network's weights in model.pt (not the CNN's, nor a
+    fall-through's), or the squared error's scale in train_loss (at most 2/3 for 3 classes,
+    about 0.22 at the start, where the cross-entropy starts at about 1.1)."""
+    project = copy_of_the_project(tmp_path)
+    edit(project / "mnist_ddp.py", *changes)
+    args = folder_args(folder, "--batch-size", "8", "--run-name", "r", *more)
+    stopped = run_ranks(project / "mnist_ddp.py", [*args, "--interrupt-at", "5:USR1"], cwd=tmp_path)
+    assert [r.returncode for r in stopped] == [EXIT_STOPPED] * 2, stopped[0].stderr[-2000:]
+    for result in run_ranks(project / "mnist_ddp.py", args, cwd=tmp_path):
+        assert_ok(result)
+    run_dir = tmp_path / "runs" / "r"
+    metrics = read_metrics(run_dir)
     assert [m["epoch"] for m in metrics] == [1, 2, 3] and metrics[-1]["test_images"] == 60
     assert metrics[-1]["test_accuracy"] > 0.6, metrics
+    if more:
+        assert json.loads((run_dir / "run.json").read_text())["config"]["model"] == "tiny"
+        assert sorted(load_params(run_dir)) == ["0.bias", "0.weight", "4.bias", "4.weight"]
+    else:
+        assert metrics[0]["train_loss"] < 0.25, metrics
 
 
 def test_own_test_metric_is_two_lines_in_evaluate_and_reaches_the_line_the_jsonl_and_tensorboard(folder, tmp_path):
@@ -152,15 +163,13 @@ def test_own_test_metric_is_two_lines_in_evaluate_and_reaches_the_line_the_jsonl
     test_top2_accuracy and in TensorBoard as test/top2_accuracy; counted over every test
     image of both ranks (at least the plain accuracy, at most 1), with the plain figures
     under their names as before."""
-    source = SCRIPT.read_text()
-    names, adds = 'for name in ("loss", "accuracy")}', '        sums["accuracy"] += (pred == y).sum()\n'
-    assert source.count(names) == 1 and source.count(adds) == 1, "the lines README.md points at are gone"
-    script = tmp_path / "mnist_ddp.py"
-    script.write_text(source.replace(names, 'for name in ("loss", "accuracy", "top2_accuracy")}').replace(
-        adds, adds + '        sums["top2_accuracy"] += (logits.topk(2, 1).indices == y[:, None]).any(1).sum()\n'))
+    project = copy_of_the_project(tmp_path)
+    adds = '        sums["accuracy"] += (pred == y).sum()\n'
+    edit(project / "mnist_ddp.py", ('for name in ("loss", "accuracy")}', 'for name in ("loss", "accuracy", "top2_accuracy")}'),
+         (adds, adds + '        sums["top2_accuracy"] += (logits.topk(2, 1).indices == y[:, None]).any(1).sum()\n'))
     run_dir = tmp_path / "runs" / "top2"
-    results = run_as_srun(2, folder_args(folder, "--batch-size", "8", "--run-dir", str(run_dir)), cwd=tmp_path, job_id="",
-                          command=[sys.executable, str(script)])
+    results = run_ranks(project / "mnist_ddp.py", folder_args(folder, "--batch-size", "8", "--run-dir", str(run_dir)),
+                        cwd=tmp_path)
     for result in results:
         assert_ok(result)
     metrics = read_metrics(run_dir)
@@ -176,3 +185,30 @@ def test_own_test_metric_is_two_lines_in_evaluate_and_reaches_the_line_the_jsonl
     logged = [(e.step, e.value) for e in events.Scalars("test/top2_accuracy")]
     assert logged == [(m["step"], pytest.approx(m["test_top2_accuracy"])) for m in metrics]
     assert len(events.Scalars("test/accuracy")) == len(events.Scalars("test/loss")) == 3
+
+
+def test_the_docs_top3_metric_example_works_on_the_docs_two_class_folder(tmp_path):
+    """docs/adapt.md's example metric, copied from the page into evaluate as it says, on a
+    folder laid out as its example (my-images/ with cat/ and dog/: fewer classes than 3)."""
+    import re
+
+    from PIL import Image
+
+    from conftest import run_python
+
+    page = (SCRIPT.parent / "docs" / "adapt.md").read_text()
+    [example] = re.findall(r'`(sums\["top3_accuracy"\] \+= [^`]*)`', page)
+    project = copy_of_the_project(tmp_path)
+    adds = '        sums["accuracy"] += (pred == y).sum()\n'
+    edit(project / "mnist_ddp.py", ('for name in ("loss", "accuracy")}', 'for name in ("loss", "accuracy", "top3_accuracy")}'),
+         (adds, f"{adds}        {' '.join(example.split())}\n"))
+    for part, count in (("train", 64), ("test", 4)):
+        for shade, name in ((40, "cat"), (200, "dog")):
+            (tmp_path / "my-images" / part / name).mkdir(parents=True)
+            for i in range(count):
+                Image.new("L", (8, 8), shade + i % 8).save(tmp_path / "my-images" / part / name / f"{i:03d}.png")
+    result = run_python(["--dataset", "folder", "--data-dir", "my-images", "--epochs", "1", "--run-name", "r"], tmp_path,
+                        script=project / "mnist_ddp.py")
+    assert_ok(result)
+    [metrics] = read_metrics(tmp_path / "runs" / "r")
+    assert metrics["test_images"] == 8 and metrics["test_top3_accuracy"] == 1.0

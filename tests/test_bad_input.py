@@ -4,7 +4,8 @@ that is full, read-only or not a directory (made real with tmpfs and read-only m
 as root, permissions alone would stop nothing) and a checkpoint that no longer fits the
 model; and a full disk loses nothing already saved. An image folder that training could not
 read (a broken symlink, an unreadable or damaged image, fewer images than ranks) is refused
-before anything trains, and `--download-only` checks it as training would.
+before anything trains, and `--download-only` checks it as training would; so are a global
+batch larger than the training set and a model name that build_model has no branch for.
 
     python -m pytest tests/test_bad_input.py
 """
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import mnist_ddp
-from conftest import ROOT, SCRIPT, clean_env, make_image_folder, run_as_srun, run_python, run_single
+from conftest import ROOT, SCRIPT, TINY, clean_env, make_image_folder, on_folder, run_as_srun, run_python, run_single
 
 
 @pytest.fixture(autouse=True)
@@ -495,3 +496,43 @@ def test_streamed_folder_with_a_damaged_test_image_stops_before_training(tmp_pat
                          "--run-name", "r"], cwd=tmp_path)
     assert one_error_line(result).startswith(f"cannot read {damaged} as an image (")
     assert "step" not in result.stdout and not (tmp_path / "runs" / "r" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- batches and models
+
+TINY_IMAGES = 3 * TINY["train"]  # the tiny folder's training images
+
+
+@pytest.mark.parametrize("args, ranks, said", [
+    (["--global-batch", "100000000"], 1,
+     "--global-batch 100000000 is more than the 4000 training images, so each step would train some of them more than "
+     "once; pass --global-batch 4000 or less"),
+    (["--global-batch", str(TINY_IMAGES + 1), "--data-feed", "stream"], 1,
+     f"--global-batch {TINY_IMAGES + 1} is more than the {TINY_IMAGES} training images, so each step would train some "
+     f"of them more than once; pass --global-batch {TINY_IMAGES} or less"),
+    (["--batch-size", str(TINY_IMAGES // 2 + 1)], 2,
+     f"--batch-size {TINY_IMAGES // 2 + 1} on 2 ranks is a global batch of {TINY_IMAGES + 2}, more than the "
+     f"{TINY_IMAGES} training images, so each step would train some of them more than once; pass --batch-size "
+     f"{TINY_IMAGES // 2} or less"),
+], ids=["sample-in-memory", "folder-streamed", "batch-size-on-2-ranks"])
+def test_a_global_batch_larger_than_the_training_set_is_refused_before_training(tmp_path, tiny_folder, args, ranks, said):
+    data = [] if args[1] == "100000000" else on_folder(tiny_folder)
+    args = [*data, *args, "--epochs", "1", "--run-name", "big"]
+    results = run_as_srun(ranks, args, cwd=tmp_path, job_id="") if ranks > 1 else [run_single(args, cwd=tmp_path)]
+    for result in results:
+        assert one_error_line(result) == said
+        assert "step" not in result.stdout
+    assert not (tmp_path / "runs" / "big").exists()
+
+
+def test_a_model_name_without_its_branch_in_build_model_is_one_line(tmp_path, tiny_folder):
+    """A name added to MODELS, as docs/adapt.md says, but no branch for it in build_model yet:
+    one line that says so, instead of training another network under that name."""
+    edited = SCRIPT.read_text().replace('MODELS = ("cnn", "mlp", "resnet18")', 'MODELS = ("cnn", "mlp", "resnet18", "vgg")')
+    assert edited != SCRIPT.read_text()
+    (tmp_path / "mine.py").write_text(edited)
+    args = [*on_folder(tiny_folder), "--model", "vgg", "--batch-size", "8", "--epochs", "1", "--run-name", "vgg"]
+    result = run_python(args, tmp_path, script=tmp_path / "mine.py")
+    assert one_error_line(result) == ("--model vgg is in MODELS, but build_model has no branch that builds it: add one "
+                                      "that returns its nn.Module (docs/adapt.md)")
+    assert not (tmp_path / "runs" / "vgg").exists()

@@ -238,3 +238,24 @@ def test_requirements_name_every_package_the_code_imports():
     lines = (ROOT / "requirements.txt").read_text().splitlines()
     required = {re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower() for line in lines if line and not line.startswith("#")}
     assert third_party <= required, f"imported but not in requirements.txt: {third_party - required}"
+
+
+def test_the_launching_commands_find_torch_and_torchrun_after_make_run_and_the_readmes_first_line():
+    """README "Launching" opens with the line that makes its commands work after `make run`
+    (which installs into .venv without activating it, as make cannot): run in a shell whose
+    PATH holds no torchrun, it gives `python` a torch and puts `torchrun` on the PATH."""
+    section = (ROOT / "README.md").read_text().split("\n## Launching\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    commands = [line for line in lines if line.startswith(("python ", "torchrun ", "srun ", "sbatch "))]
+    assert any(line.startswith("python mnist_ddp.py") for line in commands) and any(
+        line.startswith("torchrun ") for line in commands), block
+    first = " && ".join(lines[:lines.index(commands[0])])
+    assert first, f"nothing before the Launching commands makes them work after `make run`:\n{block}"
+    assert (ROOT / ".venv" / "bin" / "activate").is_file(), "make run (or make test) makes .venv; run it first"
+    path = ":".join(d for d in ["/usr/local/bin", "/usr/bin", "/bin"] if not (Path(d) / "torchrun").exists())
+    probe = "python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec(\"torch\") is None)' && command -v torchrun"
+    result = subprocess.run(["bash", "-c", f"{first} && {probe}"], cwd=ROOT, env={"PATH": path, "HOME": "/tmp"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"after {first!r}: {result.stdout}{result.stderr}"
+    assert Path(result.stdout.strip()).parent == ROOT / ".venv" / "bin"

@@ -1,9 +1,12 @@
 """Seeing inside a running job, with real processes over Gloo: a rank hung in Python is named
 with its host and line in one line before --dist-timeout, every rank's stacks are kept and the
-run then goes on from its checkpoint; a rank that holds the others up with a slow save is
+run then goes on from its checkpoint; a rank stuck in a backward hook that is neither the
+recipe's nor torch's is named at the hook's line, and not as waiting in a collective (on a
+GPU, from autograd's own thread); a rank that holds the others up with a slow save is
 named with its line, and the run goes on; a rank stuck with the interpreter's lock held is
 named from its faulthandler stacks; a rank stopped or gone is named from outside (/proc of a
-real stopped process); a slowed rank is named as the straggler and the speed scalars reach
+real stopped process); a slowed rank is named as the straggler (only after three slow
+windows of its own, not of several ranks in turn) and the speed scalars reach
 TensorBoard, and a clean run leaves no RUN_DIR/hangs; --profile writes traces and a table
 without changing the run's results, and RUN_DIR/profile-now profiles a running run. The SIGSTOP of a rank under a real Slurm is in test_slurm.py.
 
@@ -11,6 +14,7 @@ without changing the run's results, and RUN_DIR/profile-now profiles a running r
 """
 
 import json
+import os
 import re
 import signal
 import socket
@@ -23,17 +27,19 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_ok, load_params, on_folder, read_results, run_as_srun
+from conftest import ROOT, assert_ok, load_params, on_folder, read_results, run_as_srun
 from ddpkit import hangs, stragglers
 from ddpkit.launch import EXIT_LOST_PEER
 
 HOST = socket.gethostname()
 
 
-def run_with_rank_1_hung(args: list[str], cwd: Path, how: str) -> tuple[int, str]:
-    """Two srun-style ranks with rank 1 hung as step 7 ends (MNIST_DDP_TEST_HANG=1:7<how>):
-    rank 0's exit code and stderr, once it gave up; then rank 1 is killed, as srun would."""
-    procs = run_as_srun(2, args, cwd=cwd, job_id="", detach=True, env={"MNIST_DDP_TEST_HANG": "1:7" + how})
+def run_with_rank_1_hung(args: list[str], cwd: Path, how: str = "", env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Two srun-style ranks with rank 1 hung as step 7 ends (MNIST_DDP_TEST_HANG=1:7<how>), or
+    hung by what `env` sets up instead: rank 0's exit code and stderr, once it gave up; then
+    rank 1 is killed, as srun would."""
+    env = env or {"MNIST_DDP_TEST_HANG": "1:7" + how}
+    procs = run_as_srun(2, args, cwd=cwd, job_id="", detach=True, env=env)
     try:
         _, err = procs[0].communicate(timeout=150)
     finally:
@@ -86,6 +92,57 @@ def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_f
                         r"ddpkit/training_run\.py:\d+ in step_done \(faulthandler's stacks\); rank\(s\) 0 wait", err, re.M)
     assert verdict and code == EXIT_LOST_PEER, err[-3000:]
     print(verdict.group(0))
+
+
+# A user's backward hook, reached from outside the recipe as a library's would be: a
+# sitecustomize on PYTHONPATH hooks the gradient of the model's output, so it runs inside
+# loss.backward(); on rank 1 it never returns from the 8th backward pass.
+STALL_IN_BACKWARD = """\
+import time
+
+import torch
+import torch.distributed as dist
+
+passes = [0]
+
+
+def stall_on_rank_1(grad):
+    passes[0] += 1
+    while passes[0] == 8 and dist.get_rank() == 1:
+        time.sleep(1)
+    return grad
+
+
+def hook_the_output(module, inputs, output):
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel) and output.requires_grad:
+        output.register_hook(stall_on_rank_1)
+
+
+torch.nn.modules.module.register_module_forward_hook(hook_the_output)
+"""
+
+
+def test_a_rank_stuck_in_a_backward_hook_outside_the_recipe_is_named_at_the_hooks_line(tiny_folder, tmp_path):
+    """Rank 1 is stuck in a backward hook that is neither the recipe's nor torch's, inside
+    loss.backward() of step 8: the line names the hook's file, line and function for rank 1,
+    called from the recipe's backward, and does not say that rank 1 waits in a collective."""
+    hook = tmp_path / "hooks" / "sitecustomize.py"
+    hook.parent.mkdir()
+    hook.write_text(STALL_IN_BACKWARD)
+    line = STALL_IN_BACKWARD.splitlines().index("        time.sleep(1)") + 1
+    args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "4", "--dist-timeout", "30", "--hang-after", "5",
+            "--run-dir", "run"]
+    code, err = run_with_rank_1_hung(args, tmp_path, env={"PYTHONPATH": f"{hook.parent}{os.pathsep}{ROOT}"})
+    assert code == EXIT_LOST_PEER, err[-3000:]
+    verdict = re.search(r"^hang after step 7: .*; --dist-timeout ends the wait$", err, re.M)
+    assert verdict, err[-3000:]
+    print(verdict.group(0))
+    assert "rank 1 in the gradient all-reduce" not in verdict.group(0)
+    assert re.search(rf"rank 1 on {re.escape(HOST)} is at {re.escape(str(hook))}:{line} in stall_on_rank_1, called from "
+                     r"mnist_ddp\.py:\d+ in train_step; rank\(s\) 0 wait for it in the gradient all-reduce of a training "
+                     r"step for \d+ s;", verdict.group(0)), verdict.group(0)
+    stacks = (tmp_path / "run" / "hangs").glob(f"*/rank-1-{HOST}.txt")
+    assert "runs code outside the recipe, ddpkit and torch, before the gradient all-reduce" in next(stacks).read_text()
 
 
 def test_a_slow_save_that_holds_the_others_up_is_named_and_the_run_goes_on(tiny_folder, tmp_path):
@@ -149,9 +206,45 @@ def test_innermost_frame_of_the_recipe_or_the_kit_from_a_real_faulthandler_dump(
     subprocess.run([sys.executable, str(script), str(tmp_path / "dump.txt")], check=True, timeout=60)
     frames = hangs.faulthandler_frames((tmp_path / "dump.txt").read_text())
     assert frames[-1][2] == "stuck" and frames[0][2] == "<module>"
-    assert hangs.innermost_own_frame(frames, (script.parent, hangs.KIT)) == "train.py:3 in stuck"
+    assert hangs.where_it_runs(frames, (script.parent, hangs.KIT)) == ("train.py:3 in stuck", hangs.OWN_CODE)
     inside = [("/p/.venv/lib/python3.11/site-packages/torch/x.py", 5, "wait")]
-    assert hangs.innermost_own_frame(frames + inside, (script.parent, Path("/p"))) == "train.py:3 in stuck"
+    assert hangs.where_it_runs(frames + inside, (script.parent, Path("/p"))) == ("train.py:3 in stuck", hangs.TORCH_CODE)
+
+
+TRAIN = [("/p/mnist_ddp.py", 400, "main"), ("/p/mnist_ddp.py", 311, "train_step"),
+         ("/p/.venv/lib/python3.11/site-packages/torch/_tensor.py", 626, "backward"),
+         ("/p/.venv/lib/python3.11/site-packages/torch/autograd/graph.py", 823, "_engine_run_backward")]
+HOOK = [("/home/u/hooks.py", 7, "clip_hook"), (str(hangs.PYTHON_LIBRARY / "threading.py"), 320, "wait")]
+
+
+def test_code_outside_the_project_and_torch_is_named_and_does_not_wait():
+    """A rank in a library's or a user's code, below the recipe, is at that code's innermost
+    frame, called from the recipe's, and runs that code (it does not wait); the same code
+    waiting in torch below it is named, and runs torch's (it may wait); a hook in the recipe
+    itself runs the recipe's."""
+    roots = (Path("/p"), hangs.KIT)
+    hooked = [*TRAIN, *HOOK]
+    assert hangs.where_it_runs(hooked, roots) == ("/home/u/hooks.py:7 in clip_hook, called from mnist_ddp.py:311 in "
+                                                  "train_step", hangs.OTHER_CODE)
+    library = [*TRAIN[:2], ("/p/.venv/lib/python3.11/site-packages/somelib/sync.py", 12, "gather")]
+    assert hangs.where_it_runs(library, roots) == ("somelib/sync.py:12 in gather, called from mnist_ddp.py:311 in "
+                                                   "train_step", hangs.OTHER_CODE)
+    collective = [*library, ("/p/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 9, "all_reduce")]
+    assert hangs.where_it_runs(collective, roots) == ("somelib/sync.py:12 in gather, called from mnist_ddp.py:311 in "
+                                                      "train_step", hangs.TORCH_CODE)
+    assert hangs.where_it_runs(TRAIN, roots) == ("mnist_ddp.py:311 in train_step", hangs.TORCH_CODE)
+    in_the_recipe = [*TRAIN, ("/p/mnist_ddp.py", 40, "clip_hook"), HOOK[1]]
+    assert hangs.where_it_runs(in_the_recipe, roots) == ("mnist_ddp.py:40 in clip_hook", hangs.OWN_CODE)
+
+
+def test_a_hook_on_autograds_own_thread_is_joined_to_the_main_threads_backward():
+    """On a GPU autograd runs a tensor's hooks in a thread of its own while the main thread
+    waits in backward(): that thread's frames count as the main thread's innermost; outside
+    backward() no other thread's do."""
+    joined = hangs.joined_stack(TRAIN, [HOOK])
+    assert joined == TRAIN + HOOK
+    assert hangs.where_it_runs(joined, (Path("/p"),))[0].startswith("/home/u/hooks.py:7 in clip_hook, called from")
+    assert hangs.joined_stack(TRAIN[:2], [HOOK]) == TRAIN[:2]
 
 
 def test_hang_after_defaults_to_a_fifth_of_the_timeout_and_at_least_ten_seconds():
@@ -169,6 +262,17 @@ def test_a_rank_slower_in_three_windows_in_a_row_is_named_once():
     assert [bool(line) for line in lines] == [False, False, False, False, False, True, False]
     assert lines[5].startswith("straggler: rank 1 on b takes 32.0 ms of its own a step (data loading and forward pass), "
                                "3.0x the other ranks' median of 10.5 ms, in 3 windows of --log-every steps in a row")
+
+
+def test_three_slow_windows_of_different_ranks_in_a_row_name_no_straggler():
+    """Ranks 0, 1, 2 and 0 again are each the slow one in a window of their own (a busy node
+    in turn): no rank stayed slow, so none is named; rank 0's own third window in a row,
+    counted from its first of them, names it."""
+    judge = stragglers.Stragglers(["a", "b", "c"])
+    lines = [judge.window(ms)[3] for ms in [(30, 10, 11), (10, 30, 11), (10, 11, 30), (30, 10, 11), (31, 10, 11)]]
+    assert lines == ["", "", "", "", ""]
+    third = judge.window((32, 10, 11))[3]
+    assert third.startswith("straggler: rank 0 on a takes 32.0 ms") and "in 3 windows" in third
 
 
 def test_a_slowed_rank_is_named_as_the_straggler_and_tensorboard_has_the_speed_scalars(tmp_path):

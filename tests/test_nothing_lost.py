@@ -2,12 +2,13 @@
 at the very last step or a kill during the last evaluation, a resume with another world
 size or from an earlier checkpoint, a run directory with logs but no checkpoint that
 loads, a --max-steps cap lifted later, a torn line in metrics.jsonl, two runs of one name
-at once and unnamed runs started in the same second, Ctrl-C (also under torchrun), and
-an exit-code file that always tells how rank 0 ended. Real processes, real signals.
+at once and unnamed runs started in the same second, Ctrl-C (also under torchrun, and
+while torch loads), and an exit-code file that always tells how rank 0 ended. Real processes, real signals.
 
     python -m pytest tests/test_nothing_lost.py
 """
 
+import contextlib
 import gzip
 import json
 import math
@@ -266,6 +267,20 @@ def test_torn_last_line_of_metrics_is_dropped_with_a_warning(workdir):
     assert [m["epoch"] for m in read_metrics(workdir / "runs" / "t")] == [1, 2]
 
 
+def test_a_metrics_line_without_the_epoch_figures_is_dropped_with_a_warning(workdir):
+    """A whole JSON line with a step but none of an epoch's figures (hand-edited, or another
+    tool's): the resume drops it with the torn line's warning and finishes the run."""
+    args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "h"]
+    assert run_single([*args, "--interrupt-at", f"{steps_per_epoch() + 2}:USR1"], cwd=workdir).returncode == EXIT_STOPPED
+    with open(workdir / "runs" / "h" / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 1, "note": "checked by hand"}\n')
+    again = run_single(args, cwd=workdir)
+    assert_ok(again)
+    assert ("warning: dropping line 2 of runs/h/metrics.jsonl, which is not a whole record: "
+            "'{\"step\": 1, \"note\": \"checked by hand\"}'") in again.stderr.splitlines()
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "h")] == [1, 2]
+
+
 def test_two_runs_of_one_name_at_once(workdir):
     args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "twice", "--ckpt-every", "1", "--keep-ckpts", "1"]
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=workdir, env=clean_env(), stdout=subprocess.PIPE,
@@ -376,3 +391,66 @@ def test_ctrl_c_before_training_stops_at_once(workdir):
         connection.close()
     assert proc.returncode == 130, err[-2000:]
     assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]
+
+
+# Makes `import torch` as slow as on busy shared storage: the recipe's import of torch says
+# so on stderr, then waits, so that the Ctrl-C a test sends next lands while torch loads.
+SLOW_TORCH = """
+import sys, time
+
+class SlowTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("loading torch", file=sys.stderr, flush=True)
+            time.sleep(120)
+        return None
+
+sys.meta_path.insert(0, SlowTorch())
+"""
+
+
+def test_ctrl_c_while_torch_loads_is_one_line_and_130(workdir):
+    """Ctrl-C while `import torch` runs (seconds on shared storage): the line and exit code of
+    a Ctrl-C before training, not a traceback through the import; nothing trained."""
+    slow = workdir / "slow-storage"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_TORCH)
+    env = clean_env(PYTHONPATH=f"{slow}{os.pathsep}{SCRIPT.parent}")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--epochs", "1", "--run-name", "i"], cwd=workdir, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stderr.readline() == "loading torch\n"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out) == (130, ""), err[-3000:]
+    assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6])
+def test_ctrl_c_soon_after_the_start_is_never_lost_nor_a_traceback(workdir, delay):
+    """Ctrl-C at a few moments of the start, without any seam: wherever it lands (in torch's
+    own imports, some of which catch every exception and go on; in the data; in training),
+    the run ends as a Ctrl-C does there, one line before training, a save once training ran."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--epochs", "2", "--run-name", "s"],
+                            cwd=workdir, env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=delay)
+        assert proc.returncode is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "Traceback" not in out + err and proc.returncode in (130, EXIT_STOPPED), (proc.returncode, out, err)
+    if proc.returncode == 130:
+        assert err.splitlines()[-1] == "mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"
+        assert "epoch" not in out
+    else:
+        assert "stopping on SIGINT at step " in out

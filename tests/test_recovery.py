@@ -47,7 +47,7 @@ def rank_pids(run_name: str, rank: int) -> list[int]:
             env = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if not any(a.endswith(b"mnist_ddp.py") for a in args) or run_name.encode() not in args:
+        if not any(a.endswith(b"mnist_ddp.py") for a in args) or f"--run-name={run_name}".encode() not in args:
             continue
         if b"torch.distributed.run" in args or args[0].endswith(b"bash"):
             continue  # torchrun's agent, or the batch file's wrapper

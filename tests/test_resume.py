@@ -4,7 +4,8 @@ and run again ends bit-identical to an uninterrupted run; damaged, garbage and m
 newest checkpoints are skipped with a warning (the malicious one runs nothing); a
 SIGKILLed rank ends the job quickly with the lost-peer code 4 and an intact checkpoint; a
 diverging loss stops the run before bad weights are saved; TensorBoard and
-metrics.jsonl carry on without doubled steps.
+metrics.jsonl carry on without doubled steps; a run stopped in mid-epoch and finished on
+fewer ranks logs the epoch's train_loss of the run that kept its ranks.
 
     python -m pytest tests/test_resume.py
 """
@@ -22,7 +23,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_ok, load_params, read_metrics, read_results, run_as_srun, run_single
+from conftest import assert_ok, load_params, on_folder, read_metrics, read_results, run_as_srun, run_single
 from ddpkit.checkpoints import read_checkpoint
 from ddpkit.launch import EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED
 
@@ -203,6 +204,26 @@ def test_a_run_goes_on_in_mid_epoch_on_another_number_of_ranks_as_if_it_had_kept
           + ", ".join(f"{d:.1e}" for d in strays))
     accuracy, kept_accuracy = read_metrics(run_dir)[-1]["test_accuracy"], read_metrics(kept)[-1]["test_accuracy"]
     assert abs(accuracy - kept_accuracy) <= 0.002, (accuracy, kept_accuracy)
+
+
+def test_a_mid_epoch_resume_on_fewer_ranks_logs_the_epochs_train_loss_of_the_run_that_kept_its_own(workdir,
+                                                                                                      tiny_folder):
+    """The epoch's train_loss is the mean over all its images, those trained before the stop
+    too: stopped at step 2 of 3 on 2 ranks and finished on 1, the one rank carries on both
+    saved ranks' loss sums, and the epoch's line and metrics.jsonl give the figure of the run
+    that kept 2 ranks (within rounding: the last step's sums are added in another order)."""
+    args = [*on_folder(tiny_folder), "--global-batch", "8", "--epochs", "1", "--dropout", "0"]  # 24 images: 3 steps
+    for result in run_as_srun(2, [*args, "--run-dir", "kept"], cwd=workdir, job_id=""):
+        assert_ok(result)
+    stopped = run_as_srun(2, [*args, "--run-dir", "run", "--interrupt-at", "1:USR1"], cwd=workdir, job_id="")
+    assert [r.returncode for r in stopped] == [EXIT_STOPPED] * 2 and "at step 2" in stopped[0].stdout, stopped[0].stdout
+    went_on = run_on(1, [*args, "--run-dir", "run"], cwd=workdir)[0]
+    assert_ok(went_on)
+    assert "so the run goes on at step 2 (epoch 1, step 2 of it)" in went_on.stdout
+    ours, theirs = read_metrics(workdir / "run"), read_metrics(workdir / "kept")
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs] == [3]
+    assert ours[0]["train_loss"] == pytest.approx(theirs[0]["train_loss"], rel=1e-6, abs=0)
+    assert f"train loss {theirs[0]['train_loss']:.4f}" in went_on.stdout
 
 
 def test_a_checkpoint_from_before_the_global_batch_was_saved_restarts_its_epoch_at_another_world_size(workdir):

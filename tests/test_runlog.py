@@ -9,6 +9,7 @@ in a mount namespace of its own), reported in one warning.
 
 import contextlib
 import ctypes
+import json
 import os
 import subprocess
 import traceback
@@ -84,10 +85,24 @@ def test_labelled_grid_of_colour_images():
 
 def test_a_torn_last_line_is_dropped_with_one_warning(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"epoch": 1, "step": 3}\n{"epoch": 2, "step": 6}\n{"epoch": 3, "step": 9')  # a crash mid-append
-    assert read_metrics_tolerantly(path) == [{"epoch": 1, "step": 3}, {"epoch": 2, "step": 6}]
+    records = [{"epoch": epoch, "step": 3 * epoch, "test_accuracy": 0.5, "epoch_s": 1.5} for epoch in (1, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"epoch": 3, "step": 9')  # a crash mid-append
+    assert read_metrics_tolerantly(path) == records
     assert capsys.readouterr().err == (f"warning: dropping line 3 of {path}, which is not a whole record: "
                                        "'{\"epoch\": 3, \"step\": 9'\n")
+
+
+def test_a_line_with_a_step_but_without_the_epoch_figures_is_dropped_with_the_same_warning(tmp_path, capsys):
+    """A resume adds up the epochs' seconds and looks for the best accuracy: a line without
+    them (hand-edited, another tool's) is not one of the run's records."""
+    whole = {"epoch": 1, "step": 3, "test_accuracy": 0.5, "epoch_s": 1.5}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(whole) + '\n{"step": 4}\n{"step": 5, "epoch_s": "1.5", "test_accuracy": 0.5}\n')
+    assert read_metrics_tolerantly(path) == [whole]
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: dropping line 2 of {path}, which is not a whole record: '{{\"step\": 4}}'",
+        f"warning: dropping line 3 of {path}, which is not a whole record: "
+        "'{\"step\": 5, \"epoch_s\": \"1.5\", \"test_accuracy\": 0.5}'"]
 
 
 def test_no_metrics_file_is_no_records(tmp_path, capsys):

@@ -3,8 +3,9 @@ every number they read is decimal with bounds (bash's arithmetic reads 00080 as 
 whatever is pasted into a printed command line is checked first, and every printed line
 is quoted so that a shell reads it back word for word: the torchrun lines, split with
 shlex as a shell would, run for real with a SCRIPT path that holds a space. Bad input
-gives one line on stderr and exit code 2. (run_training.sbatch's checks run on a real
-Slurm, in test_slurm.py.)
+gives one line on stderr and exit code 2. The view line a run prints works as printed in a
+shell where no environment is active. (run_training.sbatch's checks run on a real Slurm, in
+test_slurm.py.)
 
     python -m pytest tests/test_shell_scripts.py
 """
@@ -15,6 +16,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -109,30 +112,75 @@ def test_tensorboard_help_opens_with_its_usage_not_the_sbatch_lines(tmp_path):
     assert {"LOG_DIR", "PORT", "VENV", "LOGIN_HOST"} <= {line.split()[0] for line in lines if line.startswith("  ")}
 
 
-def test_the_view_line_of_a_run_starts_tensorboard_sh_as_printed(tmp_path):
-    """What `make run` prints to view its logs, run word for word from where the run ran:
-    the project's tensorboard.sh on the run's log directory."""
+def no_environment() -> dict[str, str]:
+    """A fresh login shell's: no virtual environment active, and none on the PATH."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if d != venv_bin)
+    assert shutil.which("tensorboard", path=path) is None, "a tensorboard outside the environment would hide the case"
+    env = clean_env(PATH=path)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+@pytest.mark.parametrize("interpreter", ["a-venv-elsewhere", "the-projects-venv"])
+def test_the_view_line_of_a_run_starts_tensorboard_sh_as_printed(tmp_path, interpreter):
+    """What a run prints to view its logs, pasted into a shell where no environment is active,
+    in the directory the run started from: the project's tensorboard.sh on the run's log
+    directory, with the run's own interpreter named when tensorboard.sh would not find it
+    (the project's .venv it finds by itself)."""
     project = tmp_path / "project"
     shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "mutants", "__pycache__"))
-    run = subprocess.run([sys.executable, "mnist_ddp.py", "--epochs", "1", "--max-steps", "2", "--image-every", "0"],
-                         cwd=project, env=venv_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    python = sys.executable
+    if interpreter == "the-projects-venv":
+        (project / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+        python = str(project / ".venv" / "bin" / Path(sys.executable).name)
+    run = subprocess.run([python, "mnist_ddp.py", "--epochs", "1", "--max-steps", "2", "--image-every", "0"],
+                         cwd=project, env=no_environment() | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
     view = next(line for line in run.stdout.splitlines() if line.startswith("TensorBoard logs: "))
-    command = shlex.split(view.split("(view: ", 1)[1].removesuffix(")"))
-    assert command == ["./tensorboard.sh", "--logdir", "runs"], view
-    printed = subprocess.Popen(command, cwd=project, env=venv_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    line = view.split("(view: ", 1)[1].removesuffix(")")
+    named = f"PYTHON={shlex.quote(python)} " if interpreter == "a-venv-elsewhere" else ""
+    assert line == f"{named}./tensorboard.sh --logdir runs", view
+    printed = subprocess.Popen(["bash", "-c", line], cwd=project, env=no_environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     try:
-        for line in printed.stdout:  # up to the line it prints as TensorBoard starts
-            lines.append(line)
-            if line.startswith("TensorBoard on "):
+        for said in printed.stdout:  # up to the line it prints as TensorBoard starts
+            lines.append(said)
+            if said.startswith("TensorBoard on "):
                 break
+        port = int(lines[-1].split(":")[1].split(",")[0]) if lines[-1].startswith("TensorBoard on ") else 0
+        answer = tensorboard_answer(port) if port else ""
     finally:
         os.killpg(printed.pid, signal.SIGTERM)
-        printed.communicate(timeout=60)
-    assert lines[0] == "On your own computer, open the tunnel:\n", lines
-    assert lines[-1].startswith("TensorBoard on 127.0.0.1:") and lines[-1].endswith(", log directory runs (Ctrl-C to stop)\n")
+        rest = printed.communicate(timeout=60)[0]
+    assert lines[0] == "On your own computer, open the tunnel:\n", lines + [rest]
+    assert lines[-1].endswith(", log directory runs (Ctrl-C to stop)\n"), lines + [rest]
+    assert "TensorBoard" in answer
+
+
+def test_tensorboard_with_a_python_that_lacks_it_says_how_to_install_it(tmp_path):
+    (tmp_path / "runs").mkdir()
+    bare = tmp_path / "bare" / "bin" / "python"  # an environment made without the requirements
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare.parents[1])], check=True, timeout=120)
+    result = run_to_the_end([str(TENSORBOARD_SH)], venv_env(PYTHON=str(bare)), tmp_path)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr == (f"tensorboard.sh: PYTHON={bare} cannot run TensorBoard; run: {bare} -m pip install -r "
+                             "requirements.txt\n")
+
+
+def tensorboard_answer(port: int, seconds: float = 60) -> str:
+    """The page TensorBoard serves on 127.0.0.1:port, once it listens."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as page:
+                return page.read().decode(errors="replace")
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------- torchrun_commands.sh

@@ -244,6 +244,58 @@ def test_resubmitting_with_the_printed_line_continues_the_run(one_node, tmp_path
     assert [m["epoch"] for m in read_metrics(log_dir / "my-run")] == [1, 2, 3]
 
 
+def test_first_start_options_stay_with_the_first_start_and_the_line_after_end_runs_as_printed(one_node, tmp_path):
+    """A project and a submit directory whose paths have a space; Emacs' lock .#mnist_ddp.py (a
+    dangling link) in the project; run names that start with a dash; NODE_DATA_DIR quoted as
+    docs/clusters.md says. Job A, --resume never, is preempted at step 10 (--interrupt-at):
+    the requeued job continues the run from its own checkpoint, neither refusing it nor
+    stopping there again. Job B fine-tunes from A's checkpoint (--resume PATH), may not
+    requeue, and stops with 75: the line after END sets each setting as given (not
+    OMP_NUM_THREADS, which the job set itself), leaves the first start's options out, and,
+    run as printed by bash, resumes B's run from B's own checkpoint."""
+    project, submit, node_tmp = tmp_path / "my project", tmp_path / "sub dir", tmp_path / "node tmp"
+    project.mkdir()
+    node_tmp.mkdir()
+    shutil.copy(ROOT / "mnist_ddp.py", project)
+    shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(SBATCH_FILE, project)
+    (project / "data").symlink_to(ROOT / "data")  # (the bundled sample)
+    (project / ".#mnist_ddp.py").symlink_to("ann@login1.4242:1764000000")
+    options = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+    job = {"batch_file": project / "run_training.sbatch", "SCRIPT": None, "NODE_DATA_DIR": "$TMPDIR/data",
+           "TMPDIR": str(node_tmp)}
+    client = one_node.sbatch(submit, options, ["--batch-size", "64", "--epochs", "1", "--resume", "never",
+                                               "--interrupt-at", "10:USR1"], RUN_NAME="-lr3", **job)
+    job_a, out = finish(client, submit)
+    assert re.search(rf"^requeueing Slurm job {job_a} after SIGUSR1; ", out, re.M), out[-3000:]
+    assert re.search(r"^START .* restart=1 ", out, re.M) and out.count("0: stopping on SIGUSR1") == 1
+    assert re.search(rf"^0: resumed from {submit}/runs/-lr3/checkpoints/ckpt-000000\d\d\.pt: epoch 1", out, re.M)
+    assert not (submit / "runs" / "-lr3" / "checkpoints" / "superseded").exists()
+    assert [m["epoch"] for m in read_metrics(submit / "runs" / "-lr3")] == [1]
+    assert (node_tmp / "data").is_dir() and not (submit / "runs" / "-lr3" / "code" / f"job-{job_a}" / ".#mnist_ddp.py").exists()
+    base = sorted((submit / "runs" / "-lr3" / "checkpoints").glob("ckpt-*.pt"))[-1]
+    client = one_node.sbatch(submit, ["--no-requeue", *options], ["--batch-size", "64", "--epochs", "2", "--resume",
+                                                                  str(base), "--allow-changes", "--interrupt-at", "40:TERM"],
+                             RUN_NAME="-ft", **job)
+    job_b, out = finish(client, submit, code=75)
+    line = re.search(r"^to continue from the newest checkpoint, from (.*?): (\S+=.*)$", out, re.M)
+    assert line and shlex.split(line.group(1)) == [str(submit)], out[-3000:]
+    command = line.group(2)
+    assert "NODE_DATA_DIR='$TMPDIR/data'" in command and f"SHARED_DIR='{submit}'" in command, command
+    assert "RUN_NAME=-ft " in command and not re.search(r"OMP_NUM_THREADS|--resume|--interrupt-at", command), command
+    # As printed, through a shell, in the submit directory it names (`--wait` only makes the test wait).
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "bash", "-c",
+                            command.replace(" sbatch ", " sbatch --wait ", 1)], cwd=submit,
+                           env={**one_node.env, "TMPDIR": str(node_tmp)}, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout + again.stderr
+    job_c = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
+    text = (submit / f"mnist-ddp-{job_c}.out").read_text()
+    assert re.search(r"^START .* threads=1 ", text, re.M), text[:2000]
+    resumed = rf"^0: resumed from {submit}/runs/-ft/checkpoints/ckpt-000000[45]\d\.pt: epoch 2"
+    assert re.search(resumed, text, re.M), text[-3000:]
+    assert [m["epoch"] for m in read_metrics(submit / "runs" / "-ft")] == [2]
+
+
 def test_conda_env_and_setup_file(one_node, tmp_path):
     """A conda environment (a prefix with bin/python and conda-meta/, no bin/activate),
     named by CONDA_ENV, after the site's setup file; the PREFLIGHT line says which ran."""
@@ -313,7 +365,7 @@ def test_torchrun_agent_survives_usr1(two_nodes, tmp_path):
     assert f"job={job_id} exit=75" in out
     assert not re.search(r"exit code 138|exitcode\s*:\s*-10|Signals\.SIGUSR1", out), out[-3000:]
     time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", "run-name tr-usr1"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", "run-name=tr-usr1"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "processes of the job are still running"
 
 

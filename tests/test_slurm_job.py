@@ -145,8 +145,8 @@ def test_the_srun_step_starts_every_rank_through_the_task_entry(tmp_path):
     train = slurm_job.training_args(s, "/code/mnist_ddp.py")
     assert step_command(s, "/code/ddpkit/slurm_job.py", train) == [
         "srun", "--label", "--kill-on-bad-exit=1", "/v/bin/python", "/code/ddpkit/slurm_job.py", "task", "train",
-        "/code/mnist_ddp.py", "--data-dir", f"{tmp_path}/data", "--log-dir", f"{tmp_path}/runs", "--run-name", "job-77",
-        "--node-data-dir", "$TMPDIR/data", "--epochs", "2"]
+        "/code/mnist_ddp.py", f"--data-dir={tmp_path}/data", f"--log-dir={tmp_path}/runs", "--run-name=job-77",
+        "--node-data-dir=$TMPDIR/data", "--epochs", "2"]
 
 
 def test_after_a_lost_node_the_step_goes_on_with_the_most_nodes_the_batch_splits_among(tmp_path):
@@ -289,12 +289,29 @@ def test_the_resubmit_line_asks_for_what_this_job_got(tmp_path, env, line, asked
 
 
 def test_the_resubmit_line_carries_the_settings_as_given_and_is_quoted(tmp_path):
-    env = {"RUN_NAME": "lr=1e-3,a", "LAUNCHER": "torchrun", "CONTAINER_CMD": "podman run img", "SETUP": "/s/env.sh"}
+    """Each setting is NAME= and its value quoted, which a shell reads as an assignment (a
+    quoted 'NAME=value' is a command to it): the line, run as printed by bash with an sbatch
+    that shows what it got, sets each one as given. OMP_NUM_THREADS only when the user set
+    it: the supervisor sets it from --cpus-per-task, which the line may change."""
+    shared = tmp_path / "sub dir"
+    env = {"RUN_NAME": "lr=1e-3,a", "LAUNCHER": "torchrun", "CONTAINER_CMD": "podman run img", "SETUP": "/s/env.sh",
+           "NODE_DATA_DIR": "$TMPDIR/data", "SHARED_DIR": str(shared)}
     s = settings(tmp_path, **env)
-    resubmit = resubmit_line(s, {**JOB, **env}, {})
-    assert resubmit.startswith(f"SHARED_DIR={tmp_path} DATA_DIR={tmp_path}/data LOG_DIR={tmp_path}/runs "
-                               "RUN_NAME=lr=1e-3,a SETUP=/s/env.sh LAUNCHER=torchrun 'CONTAINER_CMD=podman run img' sbatch "
-                               "--nodes=2 --ntasks-per-node=2 "), resubmit
+    resubmit = resubmit_line(s, {**JOB, **env, "OMP_NUM_THREADS": "3"}, {})  # (as the supervisor set it)
+    assert resubmit.startswith(f"SHARED_DIR='{shared}' DATA_DIR='{shared}/data' LOG_DIR='{shared}/runs' "
+                               "RUN_NAME=lr=1e-3,a SETUP=/s/env.sh NODE_DATA_DIR='$TMPDIR/data' LAUNCHER=torchrun "
+                               "CONTAINER_CMD='podman run img' sbatch --nodes=2 --ntasks-per-node=2 "), resubmit
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\nfor v in SHARED_DIR NODE_DATA_DIR CONTAINER_CMD RUN_NAME '
+                                             'OMP_NUM_THREADS; do eval "echo $v=\\${$v-unset}"; done\n')
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    shown = subprocess.run(["bash", "-c", resubmit], env={"PATH": f"{tmp_path}/bin:/usr/bin:/bin"}, capture_output=True,
+                           text=True, timeout=60)
+    assert (shown.returncode, shown.stdout.splitlines()) == (0, [
+        f"SHARED_DIR={shared}", "NODE_DATA_DIR=$TMPDIR/data", "CONTAINER_CMD=podman run img", "RUN_NAME=lr=1e-3,a",
+        "OMP_NUM_THREADS=unset"]), shown.stderr
+    given = settings(tmp_path, OMP_NUM_THREADS="2")
+    assert " OMP_NUM_THREADS=2 sbatch " in resubmit_line(given, {**JOB, "OMP_NUM_THREADS": "2"}, {})
 
 
 # ----------------------------------------------------------------------------- the code a job runs
@@ -347,6 +364,29 @@ def test_a_copy_that_cannot_be_written_is_one_line(tmp_path):
         slurm_job.take_snapshot(s)
 
 
+def test_the_copy_takes_what_the_job_runs_and_names_a_file_it_cannot_copy(tmp_path):
+    """Emacs leaves .#mnist_ddp.py, a dangling symlink, beside a file with unsaved edits: the
+    copy leaves it out, as any dangling link (nothing can import it). A .py it cannot read
+    (here a named pipe) is named in one line that does not blame LOG_DIR, and no
+    job-N.partial folder is left behind."""
+    s = settings(tmp_path)
+    project = Path(s.project)
+    (project / ".#mnist_ddp.py").symlink_to("ann@login1.4242:1764000000")
+    (project / "old.py").symlink_to("moved-away.py")
+    copy = Path(slurm_job.take_snapshot(s))
+    assert slurm_job.code_files(str(copy)) == ["mnist_ddp.py"]
+    os.mkfifo(project / "pipe.py")
+    with pytest.raises(JobError) as raised:
+        slurm_job.take_snapshot(s)
+    assert str(raised.value) == (f"cannot copy {project}/pipe.py into the job's copy of its code (not a regular file); "
+                                 "move it out of the project, or make it a readable file")
+    assert sorted(os.listdir(copy.parent)) == ["job-77"]  # (the earlier copy kept, no .partial)
+    shutil.rmtree(copy)
+    with pytest.raises(JobError):
+        slurm_job.take_snapshot(s)
+    assert os.listdir(copy.parent) == []
+
+
 # ----------------------------------------------------------------------------- what runs on the host
 
 def test_what_the_host_runs_needs_nothing_newer_than_python_3_6():
@@ -393,3 +433,146 @@ def test_the_batch_file_without_slurm_or_without_python3_is_one_line(tmp_path, e
                             capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (2, f"run_training.sbatch: error: {error}\n")
     assert sorted(os.listdir(tmp_path)) == ["bin", "project"]  # nothing written
+
+
+# ----------------------------------------------------------------------------- the supervisor's steps
+
+def supervised_job(tmp_path: Path, srun_exits: str, args: list, **env: str) -> subprocess.CompletedProcess:
+    """The supervisor as run_training.sbatch hands over to it, in a job of 1 node and 2 ranks
+    whose project is a copy in tmp_path/project. On its PATH, srun records each step's command
+    (a line of srun.log: the copy's mnist_ddp.py it runs, then the training options) and exits
+    with the next of `srun_exits` (137: killed, as srun reports it); scontrol
+    knows no job; PYTHON answers the supervisor's check that it imports torch."""
+    project, tools = tmp_path / "project", tmp_path / "bin"
+    if not project.exists():
+        shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+        (project / "mnist_ddp.py").write_text("v1\n")
+        tools.mkdir()
+        (tools / "srun").write_text(f"""#!/bin/bash
+while [[ $1 == -* ]]; do shift; done   # srun's own options
+shift 3                                # PYTHON, the task entry, "task"
+mode=$1; shift
+while [[ $1 == --* ]]; do shift; done  # (torchrun's own options)
+echo "$mode $(cat "$1") ${{*:2}}" >> {tmp_path}/srun.log
+set -- $(cat {tmp_path}/srun-exits)
+n=$(wc -l < {tmp_path}/srun.log)
+exit "${{!n}}"
+""")
+        (tools / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+        (tools / "python").write_text("#!/bin/sh\necho python=here torch=2\n")
+        for tool in tools.iterdir():
+            tool.chmod(0o755)
+    (tmp_path / "srun-exits").write_text(srun_exits)
+    job = {"SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "PYTHON": str(tools / "python")}
+    return subprocess.run([sys.executable, str(project / "ddpkit" / "slurm_job.py"), "supervise", "--project",
+                           str(project), "--batch-file", str(project / "run_training.sbatch"), "--environment", "VENV=/v",
+                           "--", *args], cwd=tmp_path, env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **job, **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def steps_run(tmp_path: Path) -> list:
+    return (tmp_path / "srun.log").read_text().splitlines()
+
+
+FIRST_START = ["--resume", "/base/ckpt-00000016.pt", "--interrupt-at=30:USR1", "--epochs", "3", "--interrupt-at",
+               "9:TERM"]
+
+
+@pytest.mark.parametrize("given, continued", [
+    (["--resume", "never", "--lr", "1e-3"], ["--lr", "1e-3"]),
+    (["--resume=never", "--interrupt-at", "40:USR1", "--epochs", "2"], ["--epochs", "2"]),
+    (["--interrupt-at=40:TERM", "--resume", "auto"], []),
+    (["--resume", "/b/c.pt"], []),          # (the run holds a checkpoint of its own)
+    (["--resume=/b/c.pt", "--max-steps", "9"], ["--max-steps", "9"]),
+])
+def test_what_a_restart_or_a_requeue_continues_with(tmp_path, given, continued):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-best.pt").write_bytes(b"")  # (a user's copy: not the run's own)
+    assert slurm_job.continuing_args(given, str(tmp_path)) == continued + (["--resume=/b/c.pt"] if "c.pt" in str(given)
+                                                                          else [])
+    (tmp_path / "checkpoints" / "ckpt-00000040.pt").write_bytes(b"")
+    assert slurm_job.continuing_args(given, str(tmp_path)) == continued
+
+
+def test_a_restart_and_a_requeue_leave_out_the_options_of_the_first_start(tmp_path):
+    """--resume (where the run started from) and --interrupt-at (a stop rehearsed at a chosen
+    step), in either spelling, go to the first start alone: a restart of the step after a
+    killed rank, and the job requeued, go on from the run's own newest checkpoint. Before the
+    run saved one, a --resume FILE stays (else the restart would train afresh)."""
+    result = supervised_job(tmp_path, "137 0", FIRST_START)
+    assert result.returncode == 0, result.stdout + result.stderr
+    first, restart = steps_run(tmp_path)
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    options = f"--data-dir={data} --log-dir={runs} --run-name=job-77"
+    assert first == f"train v1 {options} {' '.join(FIRST_START)}"
+    assert restart == f"train v1 {options} --epochs 3 --resume=/base/ckpt-00000016.pt"  # (nothing saved yet)
+    assert "ATTEMPT 2/4 after exit 137" in result.stdout
+    (runs / "job-77" / "checkpoints").mkdir()
+    (runs / "job-77" / "checkpoints" / "ckpt-00000030.pt").write_bytes(b"")  # (as the ranks save)
+    for exits, restart_count, steps in (("137 0", "0", 2), ("0", "1", 1)):
+        (tmp_path / "srun.log").unlink()
+        again = supervised_job(tmp_path, exits, FIRST_START, SLURM_RESTART_COUNT=restart_count)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert steps_run(tmp_path)[-1] == f"train v1 {options} --epochs 3" and len(steps_run(tmp_path)) == steps
+    # Killed at every attempt, before rank 0 wrote the line that continues the run: the line
+    # after END is built from the options as given, less those of the first start.
+    (tmp_path / "srun.log").unlink()
+    gave_up = supervised_job(tmp_path, "137 137 137 137", FIRST_START, SLURM_RESTART_COUNT="1")
+    assert gave_up.returncode == 137
+    assert gave_up.stdout.endswith(f"to continue from the newest checkpoint, from {tmp_path}: SHARED_DIR={tmp_path} "
+                                   f"DATA_DIR={data} LOG_DIR={runs} RUN_NAME=job-77 PYTHON={tmp_path}/bin/python sbatch "
+                                   f"--nodes=1 --ntasks-per-node=2 {tmp_path}/project/run_training.sbatch --epochs 3\n")
+    assert "--resume" not in gave_up.stdout + gave_up.stderr
+
+
+def test_under_torchrun_the_supervisor_leaves_restarts_to_its_agents(tmp_path):
+    """torchrun's agents restart the workers MAX_RESTARTS times themselves: a step that ends
+    as a killed one would be restarted under srun is not started again on top of them."""
+    result = supervised_job(tmp_path, "137 137 137", ["--epochs", "1"], LAUNCHER="torchrun", MAX_RESTARTS="2")
+    assert len(steps_run(tmp_path)) == 1 and "ATTEMPT" not in result.stdout, result.stdout
+    assert result.returncode == 137 and "gave up after 3 attempts" in result.stdout
+    (tmp_path / "srun.log").unlink()
+    result = supervised_job(tmp_path, "137 137 137", ["--epochs", "1"], MAX_RESTARTS="2")
+    assert len(steps_run(tmp_path)) == 3 and "ATTEMPT 3/3" in result.stdout  # (srun: the supervisor restarts)
+
+
+def test_a_job_run_again_inside_salloc_takes_a_new_copy_and_a_requeue_keeps_its_own(tmp_path):
+    """Inside salloc, running the batch file again is a new start of the same job id: it runs
+    the code as it is now. A requeue of the job (SLURM_RESTART_COUNT) runs the copy it has."""
+    supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r")
+    (tmp_path / "project" / "mnist_ddp.py").write_text("v2\n")
+    again = supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r")
+    (tmp_path / "project" / "mnist_ddp.py").write_text("v3\n")
+    supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r", SLURM_RESTART_COUNT="1")
+    assert [line.split()[1] for line in steps_run(tmp_path)] == ["v1", "v2", "v2"]
+    assert "code: this job runs code that differs from job-77's" in again.stdout
+
+
+def test_a_run_name_that_starts_with_a_dash_reaches_the_ranks_as_one_word(tmp_path):
+    """RUN_NAME=-lr3 is a name by the rule; the ranks' argparse reads it as the value of
+    --run-name only in the --run-name=VALUE form (and so every directory the supervisor
+    passes). The ranks' own parser takes it, and so does their check of the name."""
+    import mnist_ddp
+    from ddpkit.options import parse_options
+    s = settings(tmp_path, RUN_NAME="-lr3", DATA_DIR="-d", NODE_DATA_DIR="-n", LOG_DIR=str(tmp_path / "-runs"))
+    args = slurm_job.training_args(s, "m.py")
+    assert args[1:] == ["--data-dir=-d", f"--log-dir={tmp_path}/-runs", "--run-name=-lr3", "--node-data-dir=-n"]
+    _, options = parse_options(mnist_ddp.Recipe, args[1:])
+    assert (options.run_name, options.data_dir, options.node_data_dir) == ("-lr3", "-d", "-n")
+
+
+def test_under_the_batch_file_the_advice_names_the_run_as_the_batch_file_does(tmp_path, monkeypatch):
+    """run_training.sbatch refuses --run-name after its file name: the advice that starts
+    another run names RUN_NAME there (a job submitted with --resume never into a run that
+    holds checkpoints)."""
+    from ddpkit.checkpoints import checkpoint_path, find_checkpoint
+    from ddpkit.launch import UsageError
+    checkpoint_path(tmp_path, 40).parent.mkdir()
+    checkpoint_path(tmp_path, 40).write_bytes(b"")
+    monkeypatch.delenv("MNIST_DDP_RESUBMIT", raising=False)
+    with pytest.raises(UsageError, match="pass another --run-name to start afresh, or --resume auto to continue"):
+        find_checkpoint("never", False, {}, (), tmp_path)
+    monkeypatch.setenv("MNIST_DDP_RESUBMIT", "SHARED_DIR=/s sbatch run_training.sbatch")
+    with pytest.raises(UsageError, match="pass another RUN_NAME to start afresh, or --resume auto to continue"):
+        find_checkpoint("never", False, {}, (), tmp_path)

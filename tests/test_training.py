@@ -5,8 +5,9 @@ process x batch 2B, a global batch that does not split is refused, seeded runs a
 every test image once, TensorBoard's own reader finds the logged tags, the shards of an
 epoch are disjoint and the order of a seed is pinned, and the shift augmentation moves each
 image by at most one pixel, the same way for any world size; --compile on 2 ranks still
-averages the gradients, evaluate's confusion matrix has the true class in its rows, and
-parameter groups keep their own lr and weight decay through the schedule and a resume.
+averages the gradients, evaluate's confusion matrix has the true class in its rows,
+parameter groups keep their own lr and weight decay through the schedule and a resume, and
+the --ema average holds almost none of the random initial weights at the first evaluation.
 
     python -m pytest tests/test_training.py
 """
@@ -33,7 +34,7 @@ from conftest import (
     run_torchrun,
 )
 from ddpkit import imagesets
-from ddpkit.checkpoints import load_optimizer
+from ddpkit.checkpoints import load_optimizer, read_checkpoint
 from ddpkit.distributed import Runtime
 from ddpkit.options import RunOptions
 
@@ -382,3 +383,32 @@ def test_build_training_makes_the_model_its_average_and_adamw_as_the_recipe_says
     assert none is None and compiled is not raw and compiled._orig_mod is raw
     assert raw.features[2].weight.is_contiguous(memory_format=torch.channels_last)  # (64 x 16 x 3 x 3)
     assert not raw_model.features[2].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_weight_average_holds_almost_none_of_the_random_initial_weights_at_the_first_evaluation(workdir,
+                                                                                                   tiny_folder):
+    """--ema ramps its decay up from the first step, so the weights the first evaluation
+    scores (3 steps in, at the default --ema 0.99) are an average of the trained ones, not
+    still 97 % of the random start (0.99 ** 3) as a plain decay would leave them. What share
+    the start holds is solved for, whatever the average's formula: the saved average minus
+    step 3's weights, in terms of the start's, step 1's and step 2's (each minus step 3's),
+    by least squares over every parameter; the fit must be exact, or the start was not
+    rebuilt right."""
+    result = run_single([*on_folder(tiny_folder), "--global-batch", "8", "--epochs", "1", "--ckpt-every", "1", "--keep-ckpts", "3",
+                         "--run-dir", "run"], cwd=workdir)  # 24 images: 3 steps, a checkpoint after each
+    assert_ok(result)
+    saved = [read_checkpoint(workdir / "run" / "checkpoints" / f"ckpt-{step:08d}.pt", "cpu") for step in (1, 2, 3)]
+    recipe = mnist_ddp.Recipe()
+    torch.manual_seed(recipe.seed)  # as build_training makes the start, on every rank
+    start = mnist_ddp.build_model(recipe, tuple(saved[0]["shape"]), len(saved[0]["classes"]))
+    names = [name for name, _ in start.named_parameters()]  # (the average copies the buffers as they are)
+
+    def flat(weights: dict) -> torch.Tensor:
+        return torch.cat([weights[name].double().flatten() for name in names])
+
+    last = flat(saved[2]["model"])
+    trajectory = torch.stack([flat(start.state_dict()), flat(saved[0]["model"]), flat(saved[1]["model"])], 1) - last[:, None]
+    target = flat(saved[2]["average"]) - last
+    shares = torch.linalg.lstsq(trajectory, target[:, None]).solution[:, 0]
+    assert float((trajectory @ shares - target).norm()) <= 1e-5 * float(target.norm()), "the average is not of these weights"
+    assert 0 <= float(shares[0]) < 0.05, f"the first evaluation's average holds {float(shares[0]):.1%} of the random start"
