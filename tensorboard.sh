@@ -17,7 +17,8 @@
 #   LOG_DIR        as --logdir
 #   PORT           as --port
 #   PYTHON         interpreter whose TensorBoard to run (a run's view line names its own
-#                  when this file would not find it)  [tensorboard on the PATH, else VENV's]
+#                  when this file would not find it); one without TensorBoard (a path in a
+#                  container) gives way to the next two  [tensorboard on the PATH, else VENV's]
 #   VENV           virtual environment to activate, when tensorboard is not on the PATH
 #                  [./.venv, else the .venv beside this file, found from any directory]
 #   LOGIN_HOST     login node for the tunnel command on compute nodes  [SLURM_SUBMIT_HOST]
@@ -74,14 +75,15 @@ port=$((10#${BASH_REMATCH[1]}))
 
 tensorboard=(tensorboard)
 python=python3
-if [[ -n ${PYTHON:-} ]]; then
-    "$PYTHON" -c 'import tensorboard' >/dev/null 2>&1 \
-        || die "PYTHON=$PYTHON cannot run TensorBoard; run: $(quoted "$PYTHON") -m pip install -r requirements.txt"
+venv=${VENV:-.venv}
+if [[ -z ${VENV:-} && ! -f $venv/bin/activate ]]; then venv=$here/.venv; fi
+if [[ -n ${PYTHON:-} ]] && "$PYTHON" -c 'import tensorboard' >/dev/null 2>&1; then
     tensorboard=("$PYTHON" -m tensorboard.main)
     python=$PYTHON
 elif ! command -v tensorboard >/dev/null 2>&1; then
-    venv=${VENV:-.venv}
-    if [[ -z ${VENV:-} && ! -f $venv/bin/activate ]]; then venv=$here/.venv; fi
+    # A PYTHON without TensorBoard (a run's interpreter inside a container, say) falls back to these.
+    [[ -z ${PYTHON:-} || -f $venv/bin/activate ]] \
+        || die "PYTHON=$PYTHON cannot run TensorBoard; run: $(quoted "$PYTHON") -m pip install -r requirements.txt"
     [[ -f $venv/bin/activate ]] || die "tensorboard is not installed here: activate the virtual environment" \
         "(source .venv/bin/activate, or set VENV=path) or run: pip install -r requirements.txt"
     # shellcheck disable=SC1091  # the user's environment

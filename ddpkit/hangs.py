@@ -95,7 +95,11 @@ def code_of(filename: str, roots: tuple[Path, ...]) -> str:
     project's, nor Python's when it lies inside Python's own folder)."""
     if filename.startswith("<frozen "):
         return PYTHON_CODE
+    if filename.startswith("<"):  # code made from a string, as torch.fx's graphs (<eval_with_key>.3) under --compile
+        return TORCH_CODE
     path = Path(filename).resolve()
+    if any(part.startswith("torchinductor_") for part in path.parts):  # the kernels --compile wrote to its cache
+        return TORCH_CODE
     package = installed_as(path)
     if package:
         return TORCH_CODE if package[0] == "torch" or path.is_relative_to(torch_folder()) else OTHER_CODE

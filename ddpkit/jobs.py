@@ -25,6 +25,7 @@ from ddpkit.checkpoints import (
     checkpoint_path,
     remove_stale_temporaries,
     resume_from,
+    run_checkpoints,
     run_is_done,
     set_aside_checkpoints,
 )
@@ -239,7 +240,15 @@ class Job:
         "", the options --allow-changes let differ, this rank's loss sums). Raises
         AlreadyComplete when it finished the run."""
         recipe, options, rt = self.recipe, self.options, self.rt
-        ckpt_path, changed = agree_on_checkpoint(options.resume, options.allow_changes, dataclasses.asdict(recipe),
+        resume = options.resume
+        if resume != "auto" and self.launch.continues_job and run_checkpoints(self.run_dir):
+            # --resume belongs to the job's first start (FIRST_START_ONLY): a restart or a requeue
+            # goes on from the run's own newest checkpoint, not back to FILE (nor refuses, with never).
+            if rt.is_main:
+                print(f"this start continues the job (attempt {self.launch.attempt}, requeued {self.launch.requeues}x): "
+                      f"it resumes from the run's newest checkpoint, not --resume {resume}", flush=True)
+            resume = "auto"
+        ckpt_path, changed = agree_on_checkpoint(resume, options.allow_changes, dataclasses.asdict(recipe),
                                                  changeable(type(recipe)), rt, self.run_dir)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:

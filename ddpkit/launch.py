@@ -154,6 +154,12 @@ class Launch:
     requeues: int = 0           # how often Slurm has requeued this job (SLURM_RESTART_COUNT)
     nodes: int = 1              # machines the ranks run on
 
+    @property
+    def continues_job(self) -> bool:
+        """Whether this start goes on with a job that started before: a restart of its step
+        (run_training.sbatch's or torchrun's) or a requeue by Slurm."""
+        return not self.attempt.startswith("1/") or self.requeues > 0
+
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand Slurm's compressed host list: 'node[01-03,07],gpu3' -> node01 node02 node03 node07 gpu3."""

@@ -57,6 +57,7 @@ SLOW = {
                       "test_signal_during_start_up_is_kept",
                       "test_same_run_name_continues_and_a_finished_run_says_so",
                       "test_continue_line_leaves_out_resume_and_interrupt_at",
+                      "test_a_start_that_continues_the_job_goes_on_from_the_runs_own_checkpoint_not_back_to_resume_file",
                       "test_stopped_run_prints_the_command_that_continues_it"},
     "test_doctor": {"test_a_rank_that_never_comes_is_named_within_the_timeout", "test_check_of_two_ranks_under_torchrun"},
     "test_figures": {"test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier",

@@ -380,3 +380,25 @@ def test_a_stop_whose_requeue_fails_prints_the_continue_line_and_it_works(workdi
     again = run_as_printed(out.split("to continue: ")[1].splitlines()[0].replace("srun --nodes=1 --ntasks=2 ", ""), workdir)
     assert_ok(again)
     assert re.search(r"resumed from run/checkpoints/ckpt-\d+\.pt", again.stdout)
+
+
+@pytest.mark.parametrize("continuing", [{"MNIST_DDP_ATTEMPT": "2/4"}, {"SLURM_RESTART_COUNT": "1"}],
+                         ids=["a-restart", "a-requeue"])
+def test_a_start_that_continues_the_job_goes_on_from_the_runs_own_checkpoint_not_back_to_resume_file(workdir,
+                                                                                                     continuing):
+    """A fine-tune started with --resume FILE is restarted (by torchrun's agents, or the batch
+    file, which says so in MNIST_DDP_ATTEMPT) or requeued (SLURM_RESTART_COUNT) with the same
+    options: it goes on from its own newest checkpoint, and sets aside none of them."""
+    base = run_single([*FAST, "--run-name", "base"], cwd=workdir)
+    assert_ok(base)
+    start = workdir / "runs" / "base" / "checkpoints" / "ckpt-00000016.pt"
+    tune = [*FAST, "--epochs", "3", "--allow-changes", "--run-name", "tune", "--resume", str(start), "--ckpt-every", "5"]
+    first = run_as_srun(1, [*tune, "--interrupt-at", "24:USR1"], cwd=workdir, job_id="")[0]
+    assert first.returncode == EXIT_STOPPED, first.stderr[-2000:]
+    assert f"resumed from {start}" in first.stdout
+    newest = max((workdir / "runs" / "tune" / "checkpoints").glob("ckpt-*.pt")).relative_to(workdir)
+    again = run_as_srun(1, tune, cwd=workdir, job_id="", env=continuing)[0]
+    assert_ok(again)
+    assert f"resumed from {newest}: epoch 2" in again.stdout, again.stdout[-2000:]
+    assert "set aside" not in again.stderr
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "tune")] == [2, 3]

@@ -235,6 +235,9 @@ def test_code_outside_the_project_and_torch_is_named_and_does_not_wait():
     assert hangs.where_it_runs(TRAIN, roots) == ("mnist_ddp.py:311 in train_step", hangs.TORCH_CODE)
     in_the_recipe = [*TRAIN, ("/p/mnist_ddp.py", 40, "clip_hook"), HOOK[1]]
     assert hangs.where_it_runs(in_the_recipe, roots) == ("mnist_ddp.py:40 in clip_hook", hangs.OWN_CODE)
+    # --compile's generated code is torch's: a rank in it is not said to run someone else's code.
+    for generated in ("<eval_with_key>.3", "/tmp/torchinductor_me/ab/cabcdef.py"):
+        assert hangs.code_of(generated, roots) == hangs.TORCH_CODE
 
 
 def test_a_hook_on_autograds_own_thread_is_joined_to_the_main_threads_backward():

@@ -161,13 +161,26 @@ def test_the_view_line_of_a_run_starts_tensorboard_sh_as_printed(tmp_path, inter
 
 
 def test_tensorboard_with_a_python_that_lacks_it_says_how_to_install_it(tmp_path):
+    """PYTHON without TensorBoard, and none on the PATH or in a .venv: one line naming the pip
+    install. With a tensorboard on the PATH (PYTHON was a path inside a run's container), that one runs."""
     (tmp_path / "runs").mkdir()
     bare = tmp_path / "bare" / "bin" / "python"  # an environment made without the requirements
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare.parents[1])], check=True, timeout=120)
-    result = run_to_the_end([str(TENSORBOARD_SH)], venv_env(PYTHON=str(bare)), tmp_path)
+    alone = tmp_path / "project" / "tensorboard.sh"  # a copy of the file with no .venv beside it
+    alone.parent.mkdir()
+    shutil.copy2(TENSORBOARD_SH, alone)
+    no_venv = clean_env(PYTHON=str(bare), PATH="/usr/bin:/bin")
+    result = run_to_the_end([str(alone)], no_venv, tmp_path)
     assert (result.returncode, result.stdout) == (2, ""), result.stderr
     assert result.stderr == (f"tensorboard.sh: PYTHON={bare} cannot run TensorBoard; run: {bare} -m pip install -r "
                              "requirements.txt\n")
+    on_path = tmp_path / "bin" / "tensorboard"  # stands in for the host's TensorBoard: says how it was started
+    on_path.parent.mkdir()
+    on_path.write_text('#!/bin/sh\necho "tensorboard $*"\n')
+    on_path.chmod(0o755)
+    result = run_to_the_end([str(alone)], {**no_venv, "PATH": f"{on_path.parent}:/usr/bin:/bin"}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "tensorboard --logdir runs --host 127.0.0.1" in result.stdout
 
 
 def tensorboard_answer(port: int, seconds: float = 60) -> str:
