@@ -299,11 +299,18 @@ def refuse_if_unfitting(path: Path, saved: Mapping[str, torch.Tensor], model: nn
 
 
 def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: tuple[str, ...],
-                    run_dir: Path) -> tuple[Path | None, str]:
+                    run_dir: Path, continuing: str = "") -> tuple[Path | None, str]:
     """Rank 0 picks the checkpoint to resume from: the newest one that loads, falling back
     past damaged or refused files with a warning that names them. Also returns what
-    --allow-changes let differ ("" if nothing)."""
+    --allow-changes let differ ("" if nothing). `continuing` says how this start continues
+    the job ("attempt 2/4, requeued 0x"; "" for its first start)."""
     found = run_checkpoints(run_dir)[::-1]  # the newest first
+    if continuing and found and resume != "auto":
+        # --resume belongs to the job's first start (slurm_job.FIRST_START_ONLY): a restart or a
+        # requeue goes on from the run's own newest checkpoint, not back to FILE (nor refuses, with never).
+        print(f"this start continues the job ({continuing}): it resumes from the run's newest checkpoint, not "
+              f"--resume {resume}", flush=True)
+        resume = "auto"
     if resume == "never":
         if found:
             raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
@@ -470,13 +477,13 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict) ->
 
 
 def agree_on_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: tuple[str, ...], rt: Runtime,
-                        run_dir: Path) -> tuple[str, str]:
+                        run_dir: Path, continuing: str = "") -> tuple[str, str]:
     """Rank 0 picks the checkpoint (or the error) and tells every rank: (path or "", what
     --allow-changes let differ)."""
     choice = ["", "", ""]
     if rt.is_main:
         try:
-            path, changed = find_checkpoint(resume, allow_changes, recipe, changeable, run_dir)
+            path, changed = find_checkpoint(resume, allow_changes, recipe, changeable, run_dir, continuing)
             choice = [str(path or ""), changed, ""]
         except UsageError as err:
             choice = ["", "", str(err)]

@@ -25,7 +25,6 @@ from ddpkit.checkpoints import (
     checkpoint_path,
     remove_stale_temporaries,
     resume_from,
-    run_checkpoints,
     run_is_done,
     set_aside_checkpoints,
 )
@@ -239,17 +238,10 @@ class Job:
         """Load the checkpoint every rank agreed on into `state` and self.progress: (its path or
         "", the options --allow-changes let differ, this rank's loss sums). Raises
         AlreadyComplete when it finished the run."""
-        recipe, options, rt = self.recipe, self.options, self.rt
-        resume = options.resume
-        if resume != "auto" and self.launch.continues_job and run_checkpoints(self.run_dir):
-            # --resume belongs to the job's first start (FIRST_START_ONLY): a restart or a requeue
-            # goes on from the run's own newest checkpoint, not back to FILE (nor refuses, with never).
-            if rt.is_main:
-                print(f"this start continues the job (attempt {self.launch.attempt}, requeued {self.launch.requeues}x): "
-                      f"it resumes from the run's newest checkpoint, not --resume {resume}", flush=True)
-            resume = "auto"
-        ckpt_path, changed = agree_on_checkpoint(resume, options.allow_changes, dataclasses.asdict(recipe),
-                                                 changeable(type(recipe)), rt, self.run_dir)
+        recipe, options, rt, launch = self.recipe, self.options, self.rt, self.launch
+        continuing = f"attempt {launch.attempt}, requeued {launch.requeues}x" if launch.continues_job else ""
+        ckpt_path, changed = agree_on_checkpoint(options.resume, options.allow_changes, dataclasses.asdict(recipe),
+                                                 changeable(type(recipe)), rt, self.run_dir, continuing)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
             progress, loss_sums = resume_from(Path(ckpt_path), state, rt, global_batch=global_batch, epochs=epochs,

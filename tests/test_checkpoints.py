@@ -296,6 +296,19 @@ def test_a_users_copy_in_checkpoints_is_never_picked_rotated_counted_or_set_asid
     assert find_checkpoint(str(best), False, RECIPE, CHANGEABLE, tmp_path) == (best, "")
 
 
+def test_a_start_that_continues_the_job_takes_the_runs_newest_checkpoint_over_resume(tmp_path, capsys):
+    """--resume FILE or never hold for the job's first start; a restart or a requeue goes on
+    from the run's own newest checkpoint, once it has one."""
+    start = save(tmp_path / "base", 2)
+    assert find_checkpoint(str(start), False, RECIPE, CHANGEABLE, tmp_path, "attempt 2/4, requeued 0x") == (start, "")
+    newest = save(tmp_path, 4)
+    for resume in (str(start), "never"):
+        assert find_checkpoint(resume, False, RECIPE, CHANGEABLE, tmp_path, "attempt 1/4, requeued 1x") == (newest, "")
+        assert capsys.readouterr().out == ("this start continues the job (attempt 1/4, requeued 1x): it resumes from the "
+                                           f"run's newest checkpoint, not --resume {resume}\n")
+    assert find_checkpoint(str(start), False, RECIPE, CHANGEABLE, tmp_path) == (start, "")  # a first start
+
+
 def broken_progress(**fields):
     return lambda ckpt: {**ckpt, "progress": {**ckpt["progress"], **fields}}
 
