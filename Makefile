@@ -1,26 +1,30 @@
 # make run   - create .venv if missing, then train one process on the bundled MNIST sample
 # make test  - create .venv if missing, install what the tests need (Python packages; as
 #              root, Debian's Slurm, munge, shellcheck, openssh-server, bubblewrap, iptables and Fashion-MNIST), lint with
-#              ruff, check the docs' figures, run the whole suite: all but the Slurm tests on every core
-#              (pytest-xdist), then the Slurm tests in one process (their clusters listen on fixed ports)
-# make test-fast - the fast tier on every core: no Slurm, network namespaces or sshd, and none of
-#              the longer end-to-end runs (the markers `slurm` and `slow`, tests/conftest.py); no root
+#              ruff, check the docs' figures, run the whole suite: tests/unit and tests/runs on every core
+#              (pytest-xdist), then tests/cluster, the Slurm tests, as two pytest processes at once, one per
+#              group (tests/cluster/one_node and tests/cluster/own_clusters; their clusters listen on fixed
+#              ports, so each group runs in one process), their lines prefixed with the group's name
+# make test-fast - the fast tier on every core: tests/unit and tests/runs without the longer end-to-end
+#              runs (marked `slow` where they stand); no Slurm, network namespaces or sshd, no root
 #              needed (docs/tests.md)
 # make check-docs - the README's and docs' figures agree with docs/figures/ (benchmarks/figures.py)
-# make mutants - install mutmut, mutate the launch environment, the time limit, the printed
-#              commands and the requeue, the device choice, the training run, the epoch's shards,
+# make mutants - install mutmut, mutate the launch environment, the job's contract (the port, the
+#              ranks' codes, scontrol and the requeue), the time limit, the printed commands, the
+#              device choice, the training run, the epoch's shards,
 #              the training step, evaluation and build_training, and the sweep summary; run their
 #              fast unit tests against each mutant, print the survivors and the score (docs/mutants.md)
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 #            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2"), WORKERS (pytest-xdist
 #            workers for `make test` and `make test-fast`, default auto: one per CPU, at most 8),
-#            JUNIT (a path prefix: pytest's JUnit XML files, PREFIX-not-slurm.xml and PREFIX-slurm.xml
-#            for `make test`, PREFIX-fast.xml for `make test-fast`; benchmarks/figures.py tests reads them).
+#            JUNIT (a path prefix: pytest's JUnit XML files, PREFIX-not-slurm.xml, PREFIX-slurm-1.xml and
+#            PREFIX-slurm-2.xml for `make test`, PREFIX-fast.xml for `make test-fast`; benchmarks/figures.py
+#            tests reads them).
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# Each worker holds torch twice (itself and its preloaded fork server, tests/preloaded.py):
+# Each worker holds torch twice (itself and its preloaded fork server, tests/helpers/preloaded.py):
 # about 1.5 GB.
 WORKERS ?= auto
 XDIST   := -n $(WORKERS) --maxprocesses 8
@@ -28,7 +32,9 @@ XDIST   := -n $(WORKERS) --maxprocesses 8
 .PHONY: run test test-fast check-docs mutants
 
 # The functions `make mutants` mutates (mutmut's names; ? stands for the ǁ around a class name).
-MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.launch.x_port_from_job_id__*' \
+MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.contract.x_port_from_job_id__*' \
+           'ddpkit.contract.x_read_codes__*' 'ddpkit.contract.x_show_job__*' 'ddpkit.contract.x_scontrol_show_job__*' \
+           'ddpkit.contract.x_requeue_allowed__*' 'ddpkit.contract.x_requeue_job__*' \
            'ddpkit.launch.x_tasks_on_node__*' 'ddpkit.launch.x_gpus_granted__*' 'ddpkit.launch.x__int_var__*' \
            'ddpkit.launch.x_refuse_training_alone__*' 'ddpkit.launch.x_read_launch_env__*' \
            'ddpkit.launch.x_write_exit_file__*' 'ddpkit.launch.x_record_exit__*' 'ddpkit.launch.x_unfixable_exit__*' \
@@ -47,15 +53,24 @@ MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.launch.x_port_from_job_i
 run: $(VENV)/.installed
 	$(PY) mnist_ddp.py $(ARGS)
 
+# The Slurm groups run at once (docs/tests.md says what keeps them apart); each exit status is checked.
+test: SHELL := /bin/bash
 test: $(VENV)/.installed-dev
 	./local-slurm.sh install
 	$(PY) -m ruff check .
 	$(PY) benchmarks/figures.py
-	$(PY) -m pytest $(XDIST) -m "not slurm" $(if $(JUNIT),--junitxml=$(JUNIT)-not-slurm.xml) tests
-	$(PY) -m pytest -m slurm $(if $(JUNIT),--junitxml=$(JUNIT)-slurm.xml) tests
+	$(PY) -m pytest $(XDIST) $(if $(JUNIT),--junitxml=$(JUNIT)-not-slurm.xml) tests/unit tests/runs
+	set -o pipefail; \
+	$(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-1.xml) tests/cluster/one_node 2>&1 \
+	    | sed -u 's/^/[one_node] /' & one=$$!; \
+	$(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-2.xml) tests/cluster/own_clusters 2>&1 \
+	    | sed -u 's/^/[own_clusters] /' & own=$$!; \
+	wait $$one; one=$$?; wait $$own; own=$$?; \
+	echo "Slurm tests: one_node exit $$one, own_clusters exit $$own"; \
+	test $$one = 0 && test $$own = 0
 
 test-fast: $(VENV)/.installed-dev
-	$(PY) -m pytest $(XDIST) -m "not slurm and not slow" $(if $(JUNIT),--junitxml=$(JUNIT)-fast.xml) tests
+	$(PY) -m pytest $(XDIST) -m "not slow" $(if $(JUNIT),--junitxml=$(JUNIT)-fast.xml) tests/unit tests/runs
 
 check-docs: $(VENV)/.installed
 	$(PY) benchmarks/figures.py

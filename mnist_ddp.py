@@ -416,7 +416,6 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
     each event costs (ddpkit/training_run.py). A stop ends the loop with Stopped, and the job
     runner requeues the Slurm job or prints the command that continues the run."""
     eval_model = average.model if average else raw_model
-    batch_size = recipe.per_rank_batch(rt.world_size)
 
     def evaluate_now() -> Evaluation:
         sync_buffers(raw_model)  # every rank scores with rank 0's BatchNorm statistics
@@ -425,33 +424,30 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
         return evaluate(eval_model, test_set, options, rt)
 
     while not run.done():
-        run.epoch_begins()
-        epoch = run.progress.epoch
+        epoch = run.epoch_begins()  # (a resumed epoch goes on at the step it stopped at)
         shard = epoch_shard(len(train_set), epoch, recipe.seed, rank=rt.rank, world_size=rt.world_size,
-                            batch_size=batch_size, steps=run.steps_per_epoch).to(rt.device)
+                            batch_size=run.plan.batch_size, steps=run.plan.steps_per_epoch).to(rt.device)
         shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
         shifts = shifts if shifts is None else shifts.to(rt.device)
-        batches = [shard[k * batch_size: (k + 1) * batch_size]
-                   for k in range(run.progress.step_in_epoch, run.steps_per_epoch)]
-        for images, y in train_set.batches(batches, rt.device, options.data_workers, moves=shifts):
+        for images, y in train_set.batches(run.batches_left(shard), rt.device, options.data_workers, moves=shifts):
             if run.done():  # the --max-steps cap, in mid-epoch
                 break
             x = normalize(images, train_set.mean, train_set.std, options.channels_last)
-            loss = train_step(model, optimizer, lr_at(run.schedule_step, run.total_steps, recipe.lr), x, y, options.amp,
-                              recipe.label_smoothing)
+            lr = lr_at(*run.lr_position(), recipe.lr)  # (the schedule's step, of its steps in all)
+            loss = train_step(model, optimizer, lr, x, y, options.amp, recipe.label_smoothing)
             if average:
                 average.update(run.progress.step)
             run.step_done(loss, len(y))  # counted and logged; the ranks agree on it while the next step runs
             if run.checkpoint_due():  # every --ckpt-every steps or --ckpt-minutes, and before a stop
                 saved = run.checkpoint()
-                if run.stop_agreed():  # a signal, or the job's time limit near, on any rank: all stop here
+                if run.stop_already_agreed():  # a signal, or the job's time limit near, on any rank: all stop here
                     raise launch.Stopped(saved)
         if run.evaluation_due():  # (once per step: not again after a resume from a checkpoint of this step)
             run.evaluate(evaluate_now)
         run.epoch_done()  # the next epoch starts (not at the --max-steps cap, in mid-epoch)
         saved = run.checkpoint()
         run.estimate_time_left()  # (after the first epoch) whether the run fits in the job's time
-        if run.ranks_agree_to_stop() and not run.done():  # asked for during the evaluation; finishing is quicker
+        if run.all_ranks_vote_on_stop() and not run.done():  # a stop asked for during the evaluation; finishing is quicker
             raise launch.Stopped(saved)
     run.finish(evaluate_now, eval_model)
 

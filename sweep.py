@@ -48,6 +48,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ddpkit.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED, EXIT_USAGE, JobPaths
 from ddpkit.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
 
 HERE = Path(__file__).resolve().parent
@@ -152,7 +153,7 @@ def ever_started(sweep_dir: Path) -> bool:
     """Whether a run of the sweep directory ever started (its directory holds run.json or an
     exit code), or `submit` handed the sweep to Slurm, whose tasks may still wait in the queue."""
     return (sweep_dir / SUBMITTED).exists() or any((run_dir / name).exists() for run_dir in sweep_dir.iterdir()
-                                                   if run_dir.is_dir() for name in ("run.json", "exit-code", "exit-codes"))
+                                                   if run_dir.is_dir() for name in ("run.json", JobPaths.EXIT_CODE, JobPaths.JOB_DIRS))
 
 
 def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
@@ -227,14 +228,14 @@ def run_locally(sweep_file: Path) -> int:
         # For summary, as run_training.sbatch writes it: also when mnist_ddp.py stopped before
         # it made the run's directory (a bad option, exit 2).
         (sweep_dir / name).mkdir(exist_ok=True)
-        (sweep_dir / name / "exit-code").write_text(f"{code}\n")
+        (sweep_dir / name / JobPaths.EXIT_CODE).write_text(f"{code}\n")
         if code:
             failed.append(f"{name} (exit {code})")
         if interrupted:
             signal.signal(signal.SIGINT, previous)
             print(f"{PROG}: stopped on Ctrl-C in run {i + 1} of {len(runs)}; to go on (finished runs say so, a stopped "
                   f"one resumes): {command('run', sweep_file)}", file=sys.stderr, flush=True)
-            return 75
+            return EXIT_STOPPED
     signal.signal(signal.SIGINT, previous)
     print(summary_table(collect(sweep_dir)))
     if failed:
@@ -244,8 +245,9 @@ def run_locally(sweep_file: Path) -> int:
 
 # ----------------------------------------------------------------------------- summary
 
-STATES = {0: "done", 1: "failed (exit 1: a bug)", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)",
-          4: "failed (exit 4: lost a peer)", 75: "stopped (exit 75)", 130: "failed (exit 130: Ctrl-C before training)"}
+STATES = {0: "done", EXIT_BUG: "failed (exit 1: a bug)", EXIT_USAGE: "failed (exit 2: usage)",
+          EXIT_DIVERGED: "diverged (exit 3)", EXIT_LOST_PEER: "failed (exit 4: lost a peer)",
+          EXIT_STOPPED: "stopped (exit 75)", 130: "failed (exit 130: Ctrl-C before training)"}
 
 
 def exit_state(code: int) -> str:
@@ -263,7 +265,7 @@ def exit_state(code: int) -> str:
 def run_state(run_dir: Path) -> str:
     if not run_dir.is_dir():
         return "pending"
-    code_file = run_dir / "exit-code"
+    code_file = run_dir / JobPaths.EXIT_CODE
     if code_file.exists():
         code = int(code_file.read_text().strip() or 1)
         return exit_state(code)
@@ -302,7 +304,7 @@ def collect(sweep_dir: Path) -> list[dict]:
     runs = read_lines(sweep_file, allow_run_dirs=True) if sweep_file.exists() else []
     varied = varying(runs) if runs else []
     names = names_of(runs) if runs else sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").exists()
-                                               or (p / "exit-code").exists() or (p / "exit-codes").exists())
+                                               or (p / JobPaths.EXIT_CODE).exists() or (p / JobPaths.JOB_DIRS).exists())
     rows = []
     for i, name in enumerate(names):
         run_dir = sweep_dir / name

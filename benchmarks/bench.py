@@ -37,8 +37,9 @@ global batch's growth; it writes the test accuracy of each to OUT/ranks.{json,md
 
 With --step-times it trains 1 epoch under torchrun on 2 ranks of one thread, the default global
 batch, with each rank's own time a step measured and agreed on (the straggler figures) and
-without (MNIST_DDP_STEP_TIMES=0), PAIRS times each, alternately, in one run; it writes the
-median training images/s of each and the cost a step to OUT/step-times.{json,md}.
+without (turned off by the testing aid AID_NO_STEP_TIMES=1 of tests/aids/training_aids.py,
+on both ways' PYTHONPATH), PAIRS times each, alternately, in one run; it writes the median
+training images/s of each and the cost a step to OUT/step-times.{json,md}.
 
 With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --amp
 --channels-last, and --compile, each to the end, and reports time to the target,
@@ -431,14 +432,18 @@ def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> 
 # ----------------------------------------------------------------------------- the straggler figures' cost
 
 PAIRS = 4
+# The product has no switch for them: the "without" runs turn them off with the tests' aid,
+# and both ways run with the aids imported, so that they differ in AID_NO_STEP_TIMES alone.
+AIDS = ROOT / "tests" / "aids"
 
 
 def step_times_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> None:
     """2 ranks x 1 thread, with and without the straggler figures, alternately; each run's
     images/s (its epoch's training images over its training time)."""
     speeds = {"with": [], "without": []}
+    aided = {"PYTHONPATH": os.pathsep.join(filter(None, (str(AIDS), os.environ.get("PYTHONPATH"))))}
     for pair in range(1 if quick else PAIRS):
-        for way, env in (("with", {}), ("without", {"MNIST_DDP_STEP_TIMES": "0"})):
+        for way, env in (("with", aided), ("without", {**aided, "AID_NO_STEP_TIMES": "1"})):
             records = run_script(out, f"step-times-{way}-{pair}", common, 2, 1, env)
             speeds[way].append(records[-1]["images_per_s"])
     batch = 128  # (the default global batch: images a step over both ranks)

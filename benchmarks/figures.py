@@ -7,7 +7,7 @@
         python benchmarks/figures.py write --bench-out bench-out   # take a new benchmark's files first
     python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (under a minute)
     python benchmarks/figures.py sweep              # the README's sweep, its summary and the screenshots
-    python benchmarks/figures.py tests P-not-slurm.xml P-slurm.xml --fast P-fast.xml
+    python benchmarks/figures.py tests P-not-slurm.xml P-slurm-1.xml P-slurm-2.xml --fast P-fast.xml
                                   # the suite's size and time: make test JUNIT=P, make test-fast JUNIT=P
 
 A figure block in a page sits between `<!-- figures: NAME -->` and `<!-- /figures -->`;
@@ -25,6 +25,7 @@ manual_figures(). The output files (docs/figures/):
 """
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -196,8 +197,8 @@ def test_times() -> str:
     t = load("tests.json")
     return (f"`make test` runs everything on CPU with no network ({t['tests']} tests in {t['seconds'] / 60:.0f} minutes; "
             f"{source(t['machine'])}); `make test-fast` runs the fast tier on every core, without the tests that start a "
-            f"local Slurm, network namespaces or sshd and the longer end-to-end runs (marked `slurm` and `slow` in "
-            f"`tests/conftest.py`): {t['fast_tests']} tests in {t['fast_seconds'] / 60:.1f} minutes, no root needed.")
+            f"local Slurm, network namespaces or sshd (`tests/cluster/`) and the longer end-to-end runs (marked `slow` "
+            f"where they stand): {t['fast_tests']} tests in {t['fast_seconds'] / 60:.1f} minutes, no root needed.")
 
 
 def step_times() -> str:
@@ -340,7 +341,8 @@ def measure_sample(seeds: list[int]) -> int:
 
 def tier_tests(files: list[str], marker: str) -> set[tuple[str, str]]:
     """The tests of these files that `pytest -m MARKER` runs, as JUnit's (classname, name):
-    tests/conftest.py's own marking decides, not a copy of its rule."""
+    the tests' own marking decides (their folders' conftest.py, `slow` where it stands), not a
+    copy of its rule."""
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                 "-m", marker, *files], cwd=ROOT, capture_output=True, text=True)
     if collected.returncode not in (0, 5):  # 5: every test deselected
@@ -352,15 +354,26 @@ def tier_tests(files: list[str], marker: str) -> set[tuple[str, str]]:
     return ids
 
 
-def read_junit(junit: Path) -> tuple[list, float]:
-    """(the test cases, the run's time) of one pytest --junitxml file, which passed."""
+def read_junit(junit: Path) -> tuple[list, float, float]:
+    """(the test cases, the run's start as a POSIX time, its length in seconds) of one pytest
+    --junitxml file, which passed."""
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     cases = suite.findall("testcase")
     bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
     if bad:
         raise SystemExit(f"figures.py: {len(bad)} tests failed in {junit}; the figures come from a run that passed")
-    return cases, float(suite.get("time"))
+    return cases, datetime.datetime.fromisoformat(suite.get("timestamp")).timestamp(), float(suite.get("time"))
+
+
+def wall_seconds(spans: list[tuple[float, float]]) -> float:
+    """The time covered by (start, end) spans: runs one after the other add up, runs at the
+    same time (make test's two Slurm groups) count once, as the longer of them."""
+    covered, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        covered += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return covered
 
 
 def case_file(case) -> str:
@@ -368,19 +381,21 @@ def case_file(case) -> str:
 
 
 def summarise_tests(junits: list[Path], fast: Path) -> int:
-    """The suite's size and time from the JUnit XML files of one `make test` (its parts, run
-    one after the other), and the fast tier's from one `make test-fast`: a file that holds a
-    test outside the tier, or misses one, is refused."""
+    """The suite's size and time from the JUnit XML files of one `make test` (its parts: the
+    tests without Slurm, then the two Slurm groups at the same time; the time is what their
+    sessions cover, from each file's start and length), and the fast tier's from one `make
+    test-fast`: a file that holds a test outside the tier, or misses one, is refused."""
     runs = [read_junit(junit) for junit in junits]
-    fast_cases, fast_seconds = read_junit(fast)
-    files = sorted({case_file(c) for cases, _ in runs for c in cases})
+    fast_cases, _, fast_seconds = read_junit(fast)
+    files = sorted({case_file(c) for cases, _, _ in runs for c in cases})
     tier = tier_tests(files, "not slurm and not slow")
     ran = {(c.get("classname"), c.get("name")) for c in fast_cases}
     if ran != tier:
         raise SystemExit(f"figures.py: {fast} is not a run of the fast tier (make test-fast): {len(ran - tier)} tests outside "
                          f"it, {len(tier - ran)} of it missing")
     (FIGURES / "tests.json").write_text(json.dumps({
-        "machine": machine(), "tests": sum(len(cases) for cases, _ in runs), "seconds": round(sum(t for _, t in runs), 1),
+        "machine": machine(), "tests": sum(len(cases) for cases, _, _ in runs),
+        "seconds": round(wall_seconds([(start, start + length) for _, start, length in runs]), 1),
         "fast_tests": len(fast_cases), "fast_seconds": round(fast_seconds, 1)}, indent=2) + "\n")
     print(f"wrote {(FIGURES / 'tests.json').relative_to(ROOT)}")
     return 0
@@ -482,8 +497,8 @@ def main() -> int:
         return photograph_sweep()
     if not args.junit or not args.fast:
         parser.error("tests needs the JUnit XML files of make test and make test-fast: make test JUNIT=/tmp/suite && "
-                     "make test-fast JUNIT=/tmp/suite, then: tests /tmp/suite-not-slurm.xml /tmp/suite-slurm.xml "
-                     "--fast /tmp/suite-fast.xml")
+                     "make test-fast JUNIT=/tmp/suite, then: tests /tmp/suite-not-slurm.xml /tmp/suite-slurm-1.xml "
+                     "/tmp/suite-slurm-2.xml --fast /tmp/suite-fast.xml")
     return summarise_tests(args.junit, args.fast)
 
 

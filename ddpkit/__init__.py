@@ -1,7 +1,7 @@
 """ddpkit: the machinery mnist_ddp.py stands on. Nothing here needs editing to change the
 data, the model or the training step; mnist_ddp.py holds those.
 
-  launch.py        who this process is in the job, stop signals, the start-up clock, exit codes (standard library only)
+  launch.py        who this process is in the job, stop signals, the start-up clock, the exit files (standard library only)
   options.py       RunOptions and the command line (the recipe's options and these, in groups)
   distributed.py   the device and backend, the process group, --deterministic, labelled collectives
   staging.py       data sets fetched or copied into the data directories, under a lock
@@ -15,9 +15,11 @@ data, the model or the training step; mnist_ddp.py holds those.
   doctor.py        --check: every rank joins and is described, a known-answer and a timed all-reduce
   rundir.py        the run's directory, held for as long as the run lives
   runlog.py        stdout, metrics.jsonl, TensorBoard (scalars, pictures, HParams)
-  training_run.py  TrainingRun: what happens around each step and epoch (checkpoints, stops, logs)
+  training_run.py  the run's plan (batches, schedule) and TrainingRun: what happens around each step and epoch
   jobs.py          the job runner: start-up, the run's start, every ending as an exit code, teardown
   sweeplines.py    a sweep file's lines and run names, for sweep.py and run_training.sbatch (Python 3.6, standard library)
-  slurm_job.py     the Slurm job's supervisor after run_training.sbatch: settings, the code's copy, the step,
-                   restarts, the requeue, the line that continues (Python 3.6, standard library)
+  contract.py      what the job's supervisor, the ranks and sweep.py agree on: exit codes, the run's name, scontrol and
+                   the requeue, the variables (JobEnv) and files (JobPaths) they pass (Python 3.6, standard library)
+  supervisor/      the Slurm job's supervisor after run_training.sbatch: settings, the code's copy, the step,
+                   restarts, the requeue, the line that continues (Python 3.6, standard library; no rank imports it)
 """

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ddpkit.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
 from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
 from ddpkit.launch import UsageError
 from ddpkit.options import flag
-from ddpkit.slurm_job import CKPT_NAME, run_name_setting, step_of_checkpoint
 
 TEMPORARY_SUFFIX = ".tmp-"  # save_atomic and replace_text write .NAME.tmp-PID beside NAME
 
@@ -77,7 +77,7 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     process that holds the run directory may call this: another run's save in progress
     would look the same."""
     pattern = re.compile(rf"\..+{re.escape(TEMPORARY_SUFFIX)}\d+")
-    stale = [path for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir()
+    stale = [path for folder in (run_dir, run_dir / CKPT_DIR) if folder.is_dir()
              for path in sorted(folder.iterdir()) if pattern.fullmatch(path.name) and path.is_file()]
     for path in stale:
         path.unlink(missing_ok=True)
@@ -153,7 +153,7 @@ def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path
     newer files that would not load) writes a new path from there, which --resume auto and
     rotation must not mistake for the old one. Nothing is deleted or overwritten: a
     rollback made by mistake can still be undone by hand."""
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = run_dir / CKPT_DIR
     kept = Path(keep).resolve() if keep else None
     later = [p for p in run_checkpoints(run_dir) if checkpoint_step(p) >= step and p.resolve() != kept]
     if later:
@@ -165,18 +165,18 @@ def set_aside_checkpoints(run_dir: Path, step: int, keep: str = "") -> list[Path
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / CKPT_NAME.format(step)
+    return run_dir / CKPT_DIR / CKPT_NAME.format(step)
 
 
 def checkpoint_step(path: Path) -> int:
-    """The step in a checkpoint's name, -1 for a user's file (slurm_job.step_of_checkpoint: the
+    """The step in a checkpoint's name, -1 for a user's file (contract.step_of_checkpoint: the
     job's supervisor reads the names too)."""
     return step_of_checkpoint(path.name)
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
     """The run's checkpoints, by step (oldest first), not by name."""
-    folder = run_dir / "checkpoints"
+    folder = run_dir / CKPT_DIR
     found = [path for path in folder.iterdir() if checkpoint_step(path) >= 0] if folder.is_dir() else []
     return sorted(found, key=checkpoint_step)
 
@@ -184,7 +184,7 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 def other_files(run_dir: Path) -> list[Path]:
     """The files a user put in checkpoints/ (not named as the run's checkpoints; not the hidden
     temporaries of saves, nor superseded/)."""
-    folder = run_dir / "checkpoints"
+    folder = run_dir / CKPT_DIR
     return sorted(path for path in folder.iterdir() if checkpoint_step(path) < 0 and not path.name.startswith(".")
                   and not path.is_dir()) if folder.is_dir() else []
 
@@ -306,7 +306,7 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
     the job ("attempt 2/4, requeued 0x"; "" for its first start)."""
     found = run_checkpoints(run_dir)[::-1]  # the newest first
     if continuing and found and resume != "auto":
-        # --resume belongs to the job's first start (slurm_job.FIRST_START_ONLY): a restart or a
+        # --resume belongs to the job's first start (contract.FIRST_START_ONLY): a restart or a
         # requeue goes on from the run's own newest checkpoint, not back to FILE (nor refuses, with never).
         print(f"this start continues the job ({continuing}): it resumes from the run's newest checkpoint, not "
               f"--resume {resume}", flush=True)

@@ -20,8 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER
 from ddpkit.distributed import pick_device
-from ddpkit.launch import EXIT_BUG, EXIT_LOST_PEER, Launch, expand_hostlist, process_age, tasks_on_node
+from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)

@@ -303,7 +303,7 @@ class FolderFacts:
     std: tuple[float, ...]
 
 
-def read_folder(root: Path, lock_dir: Path | None = None, verbose: bool = True) -> tuple[FolderListing, FolderFacts]:
+def read_folder(root: Path, verbose: bool = True) -> tuple[FolderListing, FolderFacts]:
     """The images of ROOT/train/<class>/* and ROOT/test/<class>/* (PNG and JPEG, all of one
     size), and their shape and statistics (cached, or measured once). `verbose` (say, rank 0
     only) prints the warnings and the one-off statistics line."""
@@ -311,7 +311,7 @@ def read_folder(root: Path, lock_dir: Path | None = None, verbose: bool = True) 
     if listing.ignored and verbose:
         print(f"warning: ignored {len(listing.ignored)} file(s) in {root} that are not PNG or JPEG, e.g. "
               f"{listing.ignored[0]}", file=sys.stderr, flush=True)
-    return listing, folder_facts(root, listing, lock_dir, verbose)
+    return listing, folder_facts(root, listing, verbose)
 
 
 def folder_bytes(listing: FolderListing, facts: FolderFacts) -> int:
@@ -332,12 +332,6 @@ def folder_image_sets(listing: FolderListing, facts: FolderFacts, feed: str,
         return ImageSet(labels, None, reader, listing.classes, facts.mean, facts.std)
 
     return image_set(listing.train), image_set(listing.test)
-
-
-def load_folder(root: Path, feed: str, device: torch.device, lock_dir: Path | None = None,
-                verbose: bool = True) -> tuple[ImageSet, ImageSet]:
-    """(train, test) from an image folder: read_folder, then folder_image_sets."""
-    return folder_image_sets(*read_folder(root, lock_dir, verbose), feed, device)
 
 
 def layout_hint(root: Path) -> str:
@@ -512,17 +506,17 @@ def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
     return ""
 
 
-def folder_facts(root: Path, listing: FolderListing, lock_dir: Path | None, verbose: bool) -> FolderFacts:
+def folder_facts(root: Path, listing: FolderListing, verbose: bool) -> FolderFacts:
     """Shape and pixel statistics: from the cache, else measured once and cached, under the
     data lock so that the ranks and jobs sharing the folder measure it only once."""
     if facts := read_stats_cache(root, listing.fingerprint):
         return facts
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(data_lock(lock_dir or root))
+            held.enter_context(data_lock(root))
             problem = ""
         except UsageError:  # a read-only folder still trains; it only cannot remember the statistics
-            problem = f"cannot write to {lock_dir or root}"
+            problem = f"cannot write to {root}"
         if not problem and (facts := read_stats_cache(root, listing.fingerprint)):
             return facts  # another rank or job measured it while this one waited for the lock
         shape = check_headers(listing)

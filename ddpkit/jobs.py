@@ -6,7 +6,6 @@ command that continues), diverged, a lost peer, a problem the user fixes, a bug.
 
 import contextlib
 import dataclasses
-import math
 import os
 import shlex
 import signal
@@ -28,6 +27,18 @@ from ddpkit.checkpoints import (
     run_is_done,
     set_aside_checkpoints,
 )
+from ddpkit.contract import (
+    EXIT_BUG,
+    EXIT_DIVERGED,
+    EXIT_LOST_PEER,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    FIRST_START_ONLY,
+    JobEnv,
+    JobPaths,
+    requeue_job,
+    resubmit_start,
+)
 from ddpkit.distributed import (
     Runtime,
     barrier,
@@ -40,11 +51,6 @@ from ddpkit.distributed import (
 from ddpkit.doctor import check_job
 from ddpkit.hangs import KIT, HangWatch, Peer, default_hang_after
 from ddpkit.launch import (
-    EXIT_BUG,
-    EXIT_DIVERGED,
-    EXIT_LOST_PEER,
-    EXIT_STOPPED,
-    EXIT_USAGE,
     INTERRUPTED,
     PROG,
     AlreadyComplete,
@@ -63,21 +69,18 @@ from ddpkit.options import RunOptions, changeable, flag, option_args, parse_opti
 from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
-from ddpkit.slurm_job import FIRST_START_ONLY, WORLD_SIZES, requeue_job
 from ddpkit.time_limit import TimeLimit, read_job_times
-from ddpkit.training_run import TrainingRun, new_run
-
-SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not keep the other ranks waiting forever
+from ddpkit.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
 
 
 def requeue_slurm_job(launch: Launch) -> bool:
-    """Ask Slurm to requeue this job, if it may (ddpkit/slurm_job.py's requeue, the supervisor's
+    """Ask Slurm to requeue this job, if it may (the contract's requeue_job, the supervisor's
     too); the job's processes die with this call. Any failure means 'not requeued'."""
-    return requeue_job(launch.job_id, timeout=SCONTROL_TIMEOUT)
+    return requeue_job(launch.job_id)
 
 
 # What a command that continues a run leaves out: the options of its first start alone
-# (slurm_job.FIRST_START_ONLY: where it started from, the testing aid that would stop the run
+# (contract.FIRST_START_ONLY: where it started from, the testing aid that would stop the run
 # again at the same step), staging alone, a profile (it was taken); and, under
 # run_training.sbatch, what the batch file passes itself (from LOG_DIR and RUN_NAME; it
 # refuses these options after its name). The data directories stay: an option given after
@@ -94,9 +97,9 @@ def continue_command(recipe, options: RunOptions, launch: Launch, run_dir: Path,
     without the NOT_CONTINUED ones, and with `changes` ({"lr": "0.001", "allow_changes":
     ""}) at the end. Under run_training.sbatch it is the sbatch line that resubmits the
     job: the batch file passes its beginning (the directory, its variables, the job's
-    request, itself) in MNIST_DDP_RESUBMIT."""
+    request, itself) in JobEnv.RESUBMIT."""
     leave_out = NOT_CONTINUED + tuple(changes)
-    resubmit = os.environ.get("MNIST_DDP_RESUBMIT", "")
+    resubmit = resubmit_start()
     if resubmit:
         args = option_args(recipe, options, leave_out=leave_out + SET_BY_BATCH_FILE)
         command = resubmit
@@ -129,19 +132,8 @@ def launcher_words(launch: Launch) -> str:
 def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
-    if os.environ.get("MNIST_DDP_RESUBMIT"):
-        write_exit_file(launch, "continue-command", command + "\n")
-
-
-def schedule_of(progress: Progress, steps_per_epoch: int, epochs: int, max_steps: int) -> tuple[int, int]:
-    """(schedule offset, total steps): the learning-rate schedule runs in this global batch's
-    steps; the step count goes on from the checkpoint's, which another global batch may have
-    counted differently. The schedule's step is the step count less the offset."""
-    schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
-    total_steps = epochs * steps_per_epoch
-    if max_steps:
-        total_steps = min(total_steps, max_steps - schedule_offset)
-    return schedule_offset, total_steps
+    if resubmit_start():
+        write_exit_file(launch, JobPaths.CONTINUE_COMMAND, command + "\n")
 
 
 def world_sizes(split: Callable[[int], int], most: int) -> list[int]:
@@ -193,12 +185,11 @@ class Job:
         self.on_divergence = on_divergence
         self.claim_run_dir()
         batch_size = split(rt.world_size)
-        global_batch = batch_size * rt.world_size
-        steps_per_epoch = math.ceil(images / global_batch)  # (the recipe's shard fills the last global batch up)
-        ckpt_path, changed, loss_sums = self.resume(state, global_batch=global_batch, epochs=epochs, max_steps=max_steps,
-                                                    classes=classes, shape=shape)
+        ckpt_path, changed, loss_sums = self.resume(state, global_batch=batch_size * rt.world_size, epochs=epochs,
+                                                    max_steps=max_steps, classes=classes, shape=shape)
         progress = self.progress
-        schedule_offset, total_steps = schedule_of(progress, steps_per_epoch, epochs, max_steps)
+        plan = plan_run(progress, images=images, world_size=rt.world_size, batch_size=batch_size, epochs=epochs,
+                        max_steps=max_steps, classes=classes, shape=shape)
         peers, attempt_started = self.meet_the_other_ranks()
         hosts = [peer.host for peer in peers]
         self.watch_for_hangs(peers, attempt_started)
@@ -210,15 +201,13 @@ class Job:
         if rt.is_main:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
             # (for the job's supervisor, which goes on with fewer ranks after it lost nodes)
-            write_exit_file(self.launch, WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
-        self.describe_run(batch_size, steps_per_epoch, total_steps + schedule_offset, ckpt_path)
-        time_limit = self.watch_time_limit() if rt.is_main else None
-        self.run = new_run(options=self.options, rt=rt, stop=self.stop, run_dir=self.run_dir, state=state,
-                           saved_options=saved_options, classes=classes, progress=progress, loss_sums=loss_sums,
-                           epochs=epochs, max_steps=max_steps, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
-                           schedule_offset=schedule_offset, total_steps=total_steps, logger=self.logger,
-                           startup=self.startup if rt.is_main else None, time_limit=time_limit, shape=shape,
-                           hosts=hosts)
+            write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
+        self.describe_run(plan, ckpt_path)
+        around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
+                              startup=self.startup if rt.is_main else None,
+                              time_limit=self.watch_time_limit() if rt.is_main else None, hosts=tuple(hosts))
+        self.run = TrainingRun(plan, rt=rt, options=self.options, state=RunState(state, progress, loss_sums, saved_options),
+                               around=around)
         if save_here:
             self.run.checkpoint()
             if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another global batch)
@@ -293,20 +282,20 @@ class Job:
                                 step, classes, options.log_every, options.progress_every, note=note)
         record_continue_command(self.launch, self.continue_command())
 
-    def describe_run(self, batch_size: int, steps_per_epoch: int, steps_in_all: int, ckpt_path: str) -> None:
+    def describe_run(self, plan: RunPlan, ckpt_path: str) -> None:
         """Each rank's line (host, device, its share, threads), and rank 0's: the global batch,
         the steps, the checkpoint resumed from."""
         rt, launch, progress = self.rt, self.launch, self.progress
         cpus, threads = usable_cpus(), torch.get_num_threads()
         print(f"[rank {rt.rank}/{rt.world_size}] {socket.gethostname()} {rt.device} {rt.backend}: "
-              f"{batch_size} images a step, {steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs",
+              f"{plan.batch_size} images a step, {plan.steps_per_epoch} steps per epoch, {threads} threads on {cpus} CPUs",
               flush=True)
         if threads > cpus:
             print(f"warning{self.who}: {threads} threads share {cpus} CPUs, which slows every step; under Slurm export "
                   "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (run_training.sbatch does), or set OMP_NUM_THREADS", flush=True)
         if rt.is_main:
-            print(f"global batch {batch_size * rt.world_size} ({rt.world_size} x {batch_size}), "
-                  f"{steps_in_all} steps in all", flush=True)
+            print(f"global batch {plan.global_batch} ({rt.world_size} x {plan.batch_size}), "
+                  f"{plan.last_step} steps in all", flush=True)
             if ckpt_path:
                 print(f"resumed from {ckpt_path}: epoch {progress.epoch}, step {progress.step} (attempt {launch.attempt}, "
                       f"requeued {launch.requeues}x)", flush=True)
@@ -331,14 +320,14 @@ class Job:
         # Ctrl-C asks to stop, not to be queued again. When the requeue succeeds, Slurm
         # ends every process here. Under run_training.sbatch the job's supervisor requeues
         # the job once the step has ended, on the host: in a container, scontrol may be missing.
-        requeue_signal = os.environ.get("MNIST_DDP_REQUEUE_SIGNAL")  # (the supervisor's SIGNAL)
+        requeue_signal = os.environ.get(JobEnv.REQUEUE_SIGNAL)  # (the supervisor's SIGNAL)
         if rt.is_main and requeue_signal:
             # Its SIGNAL (USR1 by default) and the time limit ask for a requeue; another
             # signal (scancel's SIGTERM) only stops.
             why = signal.Signals(stop.received).name if stop.received else "the time limit came near" if stop.time_up else ""
             if why in ("SIG" + requeue_signal, "the time limit came near"):
                 with contextlib.suppress(OSError):  # (then the supervisor prints the continue line)
-                    write_exit_file(self.launch, "requeue", f"{why}\n")
+                    write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
                 print("run_training.sbatch requeues the job when this step has ended; where it cannot, the line below "
                       "continues the run", flush=True)
         requeued = not requeue_signal and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)

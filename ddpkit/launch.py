@@ -1,6 +1,6 @@
 """The launch environment: who this process is in the job (torchrun, Slurm's srun, or one
-process), the stop signals, the start-up clock, and the exit codes and exit files the
-launchers read.
+process), the stop signals, the start-up clock, and the exit files the job's supervisor
+reads (their names and the exit codes: ddpkit/contract.py).
 
 Standard library only, so that mnist_ddp.py can import it, and catch a stop signal, before
 torch has loaded (which takes seconds on shared storage)."""
@@ -16,21 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-# The exit codes are written once, in the job's supervisor, which reads them too; the ranks
-# import them from here.
-from ddpkit.slurm_job import (  # noqa: F401
-    EXIT_BUG,
-    EXIT_DIVERGED,
-    EXIT_LOST_PEER,
-    EXIT_STOPPED,
-    EXIT_USAGE,
-    port_from_job_id,
-    this_job,
-)
+from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, port_from_job_id, read_codes, this_job
 
 PROG = "mnist_ddp.py"
 INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"
-NOT_RETRIED = (EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED)  # a restart repeats them, or they asked to stop
 
 
 class UsageError(Exception):
@@ -256,15 +245,15 @@ def read_launch_env(env: Mapping[str, str], alone_ok: bool = False) -> Launch:
             refuse_training_alone(env)
         launch = Launch("single", 0, 0, 1, "127.0.0.1", 0, job_id, num_threads)
     # Restarts: run_training.sbatch numbers its attempts (srun mode); torchrun counts its own.
-    attempt = env.get("MNIST_DDP_ATTEMPT", "1/1")
+    attempt = env.get(JobEnv.ATTEMPT, "1/1")
     if launch.source == "torchrun" and "TORCHELASTIC_MAX_RESTARTS" in env:
         done, most = _int_var(env, "TORCHELASTIC_RESTART_COUNT"), _int_var(env, "TORCHELASTIC_MAX_RESTARTS")
         attempt = f"{done + 1}/{most + 1}"
         launch = dataclasses.replace(launch, restarts_left=most - done)
     if not re.fullmatch(r"[1-9]\d*/[1-9]\d*", attempt):
-        raise UsageError(f"MNIST_DDP_ATTEMPT={attempt!r} is not k/N; unset it")
+        raise UsageError(f"{JobEnv.ATTEMPT}={attempt!r} is not k/N; unset it")
     launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env), attempt=attempt,
-                                 exit_dir=env.get("MNIST_DDP_EXIT_DIR", ""),
+                                 exit_dir=env.get(JobEnv.EXIT_DIR, ""),
                                  requeues=_int_var(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0)
     if launch.source == "torchrun":
         launch = dataclasses.replace(launch, nodes=max(1, launch.world_size // launch.local_world_size))
@@ -281,8 +270,8 @@ def read_launch_env(env: Mapping[str, str], alone_ok: bool = False) -> Launch:
 
 
 def write_exit_file(launch: Launch, name: str, text: str) -> None:
-    """Leave a file for run_training.sbatch in its per-job folder (MNIST_DDP_EXIT_DIR), if
-    there is one: rank-<r> (the exit code), continue-command, run-dir-taken."""
+    """Leave a file for the job's supervisor in the job's folder (JobEnv.EXIT_DIR), if there is
+    one: a file JobPaths names."""
     if launch.exit_dir:
         Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
         Path(launch.exit_dir, name).write_text(text)
@@ -293,7 +282,7 @@ def record_exit(code: int, launch: Launch | None) -> None:
     a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
     if launch:
         with contextlib.suppress(OSError):
-            write_exit_file(launch, f"rank-{launch.rank}", f"{code}\n")
+            write_exit_file(launch, JobPaths.RANK_CODE.format(launch.rank), f"{code}\n")
 
 
 def unfixable_exit(launch: Launch) -> tuple[int, str]:
@@ -304,18 +293,16 @@ def unfixable_exit(launch: Launch) -> tuple[int, str]:
     at once instead of repeating it."""
     if not launch.exit_dir or launch.attempt.startswith("1/"):
         return 0, ""
-    for path in sorted(Path(launch.exit_dir).glob("rank-*")):
-        with contextlib.suppress(OSError, ValueError):
-            if (code := int(path.read_text())) in NOT_RETRIED:
-                return code, path.name
-    return 0, ""
+    codes = read_codes(launch.exit_dir)
+    return next(((code, JobPaths.RANK_CODE.format(rank)) for rank, code in sorted(codes.items()) if code in NOT_RETRIED),
+                (0, ""))
 
 
 def exit_status(code: int) -> int:
     """The process's exit status for its launcher. torchrun restarts every worker group in
     which a worker exited non-zero, whatever the code; so while it would restart, a code
     that a restart cannot fix goes to the exit file only and the worker exits 0. Users of
-    torchrun without run_training.sbatch (no MNIST_DDP_EXIT_DIR) get the code itself."""
+    torchrun without run_training.sbatch (no job's folder) get the code itself."""
     with contextlib.suppress(UsageError):
         launch = read_launch_env(os.environ)
         if launch.exit_dir and launch.restarts_left > 0 and code in NOT_RETRIED:

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit.contract import RUN_NAME_RULE, is_run_name
 from ddpkit.launch import PROG, UsageError
-from ddpkit.slurm_job import RUN_NAME_RULE, is_run_name
 
 DATA_FEEDS = ("auto", "memory", "stream")
 
@@ -88,8 +88,9 @@ class RunOptions:
     keep_ckpts: int = option(3, "how many of the newest checkpoints to keep", "checkpoints and preemption")
     allow_changes: bool = option(False, "resume even though {changeable} differ from the checkpoint's (to train longer, "
                                  "or on with a lower --lr); the change is logged", "checkpoints and preemption")
-    # A testing aid, not in --help: rank 0 sends itself a signal after step N, as N:USR1 or N:TERM
-    # (the run stops after step N+1, or at N on a checkpoint step); training_run.InterruptingRun.
+    # Not in --help: rehearses a preemption at a chosen step (docs/recovery.md). Rank 0 sends
+    # itself a signal after step N, as N:USR1 or N:TERM (the run stops after step N+1, or at N
+    # on a checkpoint step); TrainingRun.step_done.
     interrupt_at: str = option("", "", "checkpoints and preemption", hidden=True)
 
 

@@ -1,13 +1,11 @@
 """A sweep file's option lines and the run names sweep.py gives them (sweep.py's docstring
 says what a sweep file holds).
 
-run_training.sbatch runs this file on the host, with the host's python3, to find the line
-and run name of its array task: the training's own interpreter may live in a container
-the host cannot run, and a login or compute node's python3 may be as old as 3.6 (RHEL 8).
-So this file uses the standard library alone and nothing newer than Python 3.6;
-tests/test_sweep_files.py checks that with vermin.
-
-    python3 ddpkit/sweeplines.py SWEEP_FILE INDEX   # the run name of task INDEX, then its options, one per line
+The job's supervisor, which run_training.sbatch starts on the host with the host's python3,
+finds the line and run name of its array task here (task): the training's own interpreter
+may live in a container the host cannot run, and a login or compute node's python3 may be
+as old as 3.6 (RHEL 8). So this file uses the standard library alone and nothing newer
+than Python 3.6, which the tests check with vermin.
 """
 
 import os
@@ -45,7 +43,7 @@ def names_run_dir(word: str) -> bool:
     return word.partition("=")[0] in RUN_DIR_OPTIONS
 
 
-NAME_CHARS = r"\w.+=,@-"  # what the name of a run's or a sweep's directory is made of (slurm_job.is_run_name)
+NAME_CHARS = r"\w.+=,@-"  # what the name of a run's or a sweep's directory is made of (contract.is_run_name)
 
 
 def as_name(text: str) -> str:
@@ -138,24 +136,8 @@ def names_of(runs: List[List[str]]) -> List[str]:
 
 
 def task(sweep_file: Path, index: int) -> List[str]:
-    """For run_training.sbatch: the run name of array task `index`, then its options, one per line."""
+    """For the job's supervisor: the run name of array task `index`, then its options."""
     runs = read_lines(sweep_file)
     if not 0 <= index < len(runs):
         raise SweepError(f"array task {index} has no line in {sweep_file} ({len(runs)} runs): submit with --array=0-{len(runs) - 1}")
     return [names_of(runs)[index], *runs[index]]
-
-
-def main(argv: List[str]) -> int:
-    if len(argv) != 2 or not argv[1].isdigit():
-        print(f"usage: python3 {__file__} SWEEP_FILE INDEX", file=sys.stderr)
-        return 2
-    try:
-        print("\n".join(task(Path(argv[0]), int(argv[1]))))
-    except SweepError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

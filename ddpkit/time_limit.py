@@ -3,10 +3,10 @@
 fits in the time that is left.
 
 The end time comes from SLURM_JOB_END_TIME where Slurm sets it (23.02 and later); else
-from `scontrol show job`, which the job's supervisor (ddpkit/slurm_job.py) runs once on the
-host (a container may have no scontrol) and passes on as MNIST_DDP_JOB_INFO, with its times in Unix seconds as
-MNIST_DDP_JOB_TIMES (scontrol prints local time, and a container's time zone may differ
-from the host's). Without that line rank 0 runs scontrol once itself: whether the job may
+from `scontrol show job`, which the job's supervisor (ddpkit/supervisor/) runs once on the
+host (a container may have no scontrol) and passes on as JobEnv.JOB_INFO, with its times in
+Unix seconds as JobEnv.JOB_TIMES (scontrol prints local time, and a container's time zone
+may differ from the host's). Without that line rank 0 runs scontrol once itself: whether the job may
 be requeued (a batch job with Requeue=1) comes from the line alone, and a run that does not
 know promises no requeue. Whether it has a limit at all is one rule for every source
 (job_times).
@@ -15,19 +15,16 @@ Only rank 0 watches the clock: the ranks' per-step agreement carries its stop to
 Standard library only, like launch.py."""
 
 import math
-import os
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ddpkit.slurm_job import job_fields, requeue_of, unix_time
+from ddpkit.contract import JobEnv, job_fields, requeue_allowed, show_job, unix_time
 
 # Seconds left for what follows the stop when nothing slower was measured: the step in
 # flight, the save, the ranks' exit and the requeue, with room for a busy file system.
 BASE_MARGIN = 60.0
 NO_LIMIT = 365 * 24 * 3600.0  # Slurm gives a job without a time limit an end a year away
-SCONTROL_TIMEOUT = 10.0  # seconds; a slow controller costs a start-up no more than this
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ def job_times(fields: Mapping[str, str], start: float | None, end: float | None)
     partition's MaxTime, real when finite; the end time says which."""
     if start is None or end is None or fields.get("TimeLimit") == "UNLIMITED" or not start < end < start + NO_LIMIT:
         return None
-    return JobTimes(start, end, requeue_of(fields))
+    return JobTimes(start, end, requeue_allowed(fields)[0])
 
 
 def unix_times(text: str) -> tuple[float, float] | None:
@@ -63,21 +60,16 @@ def unix_times(text: str) -> tuple[float, float] | None:
     return (float(parts[0]), float(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
 
 
-def read_job_times(env: Mapping[str, str], job_id: str, run: Callable = subprocess.run) -> JobTimes | None:
+def read_job_times(env: Mapping[str, str], job_id: str) -> JobTimes | None:
     """This job's times, or None outside Slurm, for a job without a time limit, or when
-    scontrol cannot say (it is asked once, with a short timeout)."""
+    scontrol cannot say (it is asked once, by the contract's show_job)."""
     if not job_id:
         return None
-    info = env.get("MNIST_DDP_JOB_INFO", "")
+    info = env.get(JobEnv.JOB_INFO, "")
     given = (unix_times(f"{env.get('SLURM_JOB_START_TIME', '')} {env.get('SLURM_JOB_END_TIME', '')}")
-             or unix_times(env.get("MNIST_DDP_JOB_TIMES", "")))
+             or unix_times(env.get(JobEnv.JOB_TIMES, "")))
     if not info:  # (with Slurm's own times too: only the line says whether the job may be requeued)
-        try:
-            result = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         timeout=SCONTROL_TIMEOUT, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
-            info = result.stdout if result.returncode == 0 else ""
-        except (OSError, subprocess.SubprocessError):
-            info = ""
+        info = show_job(job_id)
     text = info.splitlines()[0] if info.strip() else ""
     if not given:
         return times_from_job_info(text)

@@ -7,14 +7,17 @@ after the first epoch whether the run fits in the job's time and whether its ran
 wait for the gradient all-reduce. Every rank makes every call, in the same order: the calls
 that talk to the other ranks are among them.
 
-jobs.Job.start_run makes one (new_run); a loss or weights that are not finite end it with
-launch.Diverged, raised from these calls; the loop itself ends a stop with launch.Stopped."""
+jobs.Job.start_run makes one from the run's plan (plan_run: its batches and schedule, worked
+out from the recipe's numbers and where the run stands); a loss or weights that are not
+finite end it with launch.Diverged, raised from these calls; the loop itself ends a stop
+with launch.Stopped."""
 
-import ctypes
+import math
 import os
 import signal
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -75,56 +78,118 @@ class EpochLoss:
         return total / max(images, 1)
 
 
+# ----------------------------------------------------------------------------- the run's plan
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the run trains, in which batches, on which schedule: worked out once, at its
+    start, by plan_run."""
+    epochs: int                 # the recipe's --epochs
+    max_steps: int              # its --max-steps: a cap on the step count (0: none)
+    batch_size: int             # each rank's images a step
+    global_batch: int           # a step's images over all ranks, as every checkpoint records
+    steps_per_epoch: int        # global batches an epoch (the recipe's shard fills the last one up)
+    # The learning-rate schedule runs in this global batch's steps, total_steps of them; the
+    # step count goes on from the checkpoint's, which another global batch may have counted
+    # differently: the schedule's step is the step count less schedule_offset.
+    schedule_offset: int
+    total_steps: int
+    classes: tuple[str, ...]    # what the data is, for every checkpoint
+    shape: tuple[int, int, int] | None = None  # the images' (C, H, W), which every checkpoint records
+
+    @property
+    def last_step(self) -> int:
+        """The step count at the schedule's end."""
+        return self.schedule_offset + self.total_steps
+
+
+def plan_run(progress: Progress, *, images: int, world_size: int, batch_size: int, epochs: int, max_steps: int,
+             classes: tuple[str, ...], shape: tuple[int, int, int] | None = None) -> RunPlan:
+    """The plan of a run of `images` training images on `world_size` ranks of `batch_size`
+    images a step each, for the recipe's --epochs and --max-steps, from where `progress`
+    stands (Progress() for a new run; a resumed one's step count goes on)."""
+    global_batch = batch_size * world_size
+    steps_per_epoch = math.ceil(images / global_batch)
+    schedule_offset = progress.step - ((progress.epoch - 1) * steps_per_epoch + progress.step_in_epoch)
+    total_steps = epochs * steps_per_epoch
+    if max_steps:
+        total_steps = min(total_steps, max_steps - schedule_offset)
+    return RunPlan(epochs=epochs, max_steps=max_steps, batch_size=batch_size, global_batch=global_batch,
+                   steps_per_epoch=steps_per_epoch, schedule_offset=schedule_offset, total_steps=total_steps,
+                   classes=classes, shape=shape)
+
+
+@dataclass
+class RunState:
+    """What the run trains and where it stands: what every checkpoint saves and a resume loads."""
+    state: Mapping[str, object]  # the recipe's model, optimizer, ... by name
+    progress: Progress
+    loss_sums: torch.Tensor      # this rank's [loss x images, images] in the epoch so far (EpochLoss)
+    config: dict                 # the recipe's and the run's options, as every checkpoint records them
+
+
+@dataclass(frozen=True)
+class Surroundings:
+    """What the run works in and reports to."""
+    run_dir: Path
+    stop: StopSignals                   # the stop signals, and on rank 0 the watch on the job's time limit
+    logger: object                      # rank 0's RunLogger; a NullLogger on the other ranks
+    startup: StartupClock | None = None  # (rank 0) printed as `ready in ...` when the first step is about to run
+    time_limit: TimeLimit | None = None  # (rank 0) the job's end: after the first epoch, whether the run fits
+    hosts: tuple[str, ...] = ()         # every rank's host, in rank order (the straggler line names them)
+
+
+# ----------------------------------------------------------------------------- the run
+
 class TrainingRun:
-    def __init__(self, *, options: RunOptions, rt: Runtime, stop: StopSignals, run_dir: Path,
-                 state: Mapping[str, object], saved_options: dict, classes: tuple[str, ...], progress: Progress,
-                 loss_sums: torch.Tensor, epochs: int, max_steps: int, steps_per_epoch: int, global_batch: int,
-                 schedule_offset: int, total_steps: int, logger, startup: StartupClock | None = None,
-                 time_limit: TimeLimit | None = None, shape: tuple[int, int, int] | None = None,
-                 hosts: list[str] | None = None):
-        self.options, self.rt, self.stop, self.run_dir, self.state = options, rt, stop, run_dir, state
-        self.classes, self.shape = classes, shape  # what the data is, for every checkpoint
-        self.saved_options, self.progress, self.loss = saved_options, progress, EpochLoss(loss_sums)
-        self.epochs, self.max_steps, self.steps_per_epoch = epochs, max_steps, steps_per_epoch
-        self.global_batch = global_batch  # a step's images over all ranks, as every checkpoint records
-        # The learning-rate schedule runs in this global batch's steps (schedule_step of
-        # total_steps); the step count goes on from the checkpoint's.
-        self.schedule_offset, self.total_steps, self.logger = schedule_offset, total_steps, logger
+    def __init__(self, plan: RunPlan, *, rt: Runtime, options: RunOptions, state: RunState, around: Surroundings):
+        self.plan, self.rt, self.options = plan, rt, options
+        self.state, self.progress, self.config = state.state, state.progress, state.config
+        self.loss = EpochLoss(state.loss_sums)
+        self.run_dir, self.stop, self.logger = around.run_dir, around.stop, around.logger
         self.clock, self.pending = CheckpointClock(options.ckpt_minutes), None
         # What each rank's own part of a step takes (several ranks; not under --compile, whose
-        # graph would take in the timer's forward hook; MNIST_DDP_STEP_TIMES=0, for the
-        # benchmark of their cost, turns them off), rank 0's judgement of it, and a profile
+        # graph would take in the timer's forward hook), rank 0's judgement of it, and a profile
         # when --profile or RUN_DIR/profile-now asks for one.
-        timed = rt.world_size > 1 and not options.compile and os.environ.get("MNIST_DDP_STEP_TIMES") != "0"
-        model = state.get("model") if timed else None
+        model = self.state.get("model") if rt.world_size > 1 and not options.compile else None
         self.timer = StepTimer(model if isinstance(model, torch.nn.Module) else None)
         self.agreement = AgreementBuffers(rt.device, rt.world_size if self.timer.hook else 0, rt.rank)
         self.earlier, self.stopping = Verdict(), False  # the previous step's agreement; a stop every rank agreed on
         self.profile_asked = False  # a profile every rank agreed on, to start at the next step's end
-        self.optimizer = next((t for t in state.values() if isinstance(t, torch.optim.Optimizer)), None)
+        self.optimizer = next((t for t in self.state.values() if isinstance(t, torch.optim.Optimizer)), None)
         self.epoch_started, self.trained = time.perf_counter(), 0
-        self.startup = startup  # printed as `ready in ...` when the first step is about to run
-        self.estimate_due = time_limit  # rank 0's watch on the job's end, until it said whether the run fits
-        self.epoch_first_step = self.started_at = progress.step
-        self.stragglers = Stragglers(hosts or []) if rt.is_main and self.timer.hook else None
+        self.startup = around.startup  # printed as `ready in ...` when the first step is about to run
+        self.estimate_due = around.time_limit  # rank 0's watch on the job's end, until it said whether the run fits
+        self.epoch_first_step = self.started_at = self.progress.step
+        self.stragglers = Stragglers(list(around.hosts)) if rt.is_main and self.timer.hook else None
         self.wait_unjudged = rt.is_main and rt.world_size > 1  # (rank 0, at this start's first evaluation)
-        self.profiler = StepProfiler(run_dir=run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
-                                     steps=options.profile, first_step=progress.step,
-                                     last_step=schedule_offset + total_steps)
+        self.profiler = StepProfiler(run_dir=self.run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
+                                     steps=options.profile, first_step=self.progress.step, last_step=plan.last_step)
+        # --interrupt-at N:SIGNAL (hidden from --help; docs/recovery.md): rank 0 sends itself the
+        # signal as step N ends, as Slurm or a user would, and every rank stops a step later.
+        at, _, name = options.interrupt_at.partition(":") if rt.is_main else ("", "", "")
+        self.interrupt_at = (int(at), signal.Signals[f"SIG{name}"]) if at else None
 
     # ------------------------------------------------------------------ the loop's calls
 
     def done(self) -> bool:
         """Nothing left to train: every epoch done, or the --max-steps cap reached."""
-        return run_is_done(self.progress, self.epochs, self.max_steps)
+        return run_is_done(self.progress, self.plan.epochs, self.plan.max_steps)
 
-    @property
-    def schedule_step(self) -> int:
-        """The step of the learning-rate schedule (of total_steps) that comes next."""
-        return self.progress.step - self.schedule_offset
+    def batches_left(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's batches of the epoch still to train: `shard` (this rank's indices of the
+        whole epoch, steps_per_epoch batches of batch_size) from the step the epoch stands at."""
+        size = self.plan.batch_size
+        return [shard[k * size: (k + 1) * size] for k in range(self.progress.step_in_epoch, self.plan.steps_per_epoch)]
 
-    def epoch_begins(self) -> None:
-        """Called at the start of each epoch's steps (a resumed epoch too): its clock starts."""
+    def lr_position(self) -> tuple[int, int]:
+        """(step, steps): the learning-rate schedule's step that comes next, of its steps in all
+        (this global batch's: see RunPlan)."""
+        return self.progress.step - self.plan.schedule_offset, self.plan.total_steps
+
+    def epoch_begins(self) -> int:
+        """Called at the start of each epoch's steps (a resumed epoch too): its clock starts.
+        Returns the epoch's number."""
         if self.startup:
             print(self.startup.ready_line(), flush=True)
             self.startup = None
@@ -134,6 +199,7 @@ class TrainingRun:
         set_background(GRADIENT_ALL_REDUCE)
         self.timer.step_ended()  # (the epoch's first step: its own time starts here)
         self.watch_next_step()
+        return self.progress.epoch
 
     def step_done(self, loss: torch.Tensor, images: int) -> None:
         """After each optimiser step: count it and log it, read the previous step's agreement
@@ -143,6 +209,8 @@ class TrainingRun:
         self.loss.add(loss, images)
         self.trained += images
         progress.step, progress.step_in_epoch = progress.step + 1, progress.step_in_epoch + 1
+        if self.interrupt_at and self.interrupt_at[0] == progress.step:  # (before this step's agreement, which hears it)
+            os.kill(os.getpid(), self.interrupt_at[1])
         if self.stop.time_limit:  # (rank 0) the stop before the time limit leaves room for two steps
             self.stop.time_limit.stepped(time.perf_counter())
         # The ranks agree on the previous step while this one runs: a stop lands one step
@@ -156,7 +224,7 @@ class TrainingRun:
         if self.earlier.diverged:  # before any checkpoint could take the bad weights
             raise self.diverged("the loss stopped being finite", progress.step - 1)
         self.take(self.earlier)
-        self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.steps_per_epoch)
+        self.logger.step(progress.step, loss, progress.epoch, progress.step_in_epoch, self.plan.steps_per_epoch)
         self.profile_asked = self.profiler.step_done(progress.step, self.profile_asked)
         self.watch_next_step()
         self.timer.step_ended()  # (after the agreement's read, which on a GPU may wait for a slow rank)
@@ -169,7 +237,7 @@ class TrainingRun:
         every, earlier = self.options.ckpt_every, self.earlier
         if earlier.stopping or earlier.ckpt_due or (every and self.progress.step % every == 0):
             return True
-        steps_end = self.progress.step_in_epoch >= self.steps_per_epoch or self.done()
+        steps_end = self.progress.step_in_epoch >= self.plan.steps_per_epoch or self.done()
         return bool(steps_end and self.pending and self.this_step().stopping)
 
     def checkpoint(self) -> Path:
@@ -183,9 +251,10 @@ class TrainingRun:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
         started = time.perf_counter()
-        path = save_checkpoint(self.run_dir, self.saved_options, self.classes, self.state, self.rt, self.progress,
-                               self.loss.saved(), self.options.keep_ckpts, global_batch=self.global_batch,
-                               shape=self.shape)
+        plan = self.plan
+        path = save_checkpoint(self.run_dir, self.config, plan.classes, self.state, self.rt, self.progress,
+                               self.loss.saved(), self.options.keep_ckpts, global_batch=plan.global_batch,
+                               shape=plan.shape)
         if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()
@@ -193,9 +262,9 @@ class TrainingRun:
         self.watch_next_step()
         return path
 
-    def stop_agreed(self) -> bool:
+    def stop_already_agreed(self) -> bool:
         """Whether every rank agreed to stop (a signal, or the job's time limit near, on any
-        rank), as the agreements read so far say."""
+        rank), as the agreements already read say: no talk with the other ranks."""
         return self.stopping
 
     def evaluation_due(self) -> bool:
@@ -231,7 +300,7 @@ class TrainingRun:
         """The epoch's steps are over: the next epoch starts at its first step (not when the
         --max-steps cap stopped this one in mid-epoch)."""
         progress = self.progress
-        if progress.step_in_epoch >= self.steps_per_epoch:
+        if progress.step_in_epoch >= self.plan.steps_per_epoch:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self.loss.reset()
 
@@ -240,15 +309,15 @@ class TrainingRun:
         resumed one's rest would spread its evaluation over a few steps): how long the rest
         takes at this speed, and whether it fits in the job's time."""
         trained_here = self.progress.step - self.epoch_first_step
-        if self.estimate_due and trained_here >= self.steps_per_epoch / 2 and not self.done():
+        if self.estimate_due and trained_here >= self.plan.steps_per_epoch / 2 and not self.done():
             seconds_per_step = (time.perf_counter() - self.epoch_started) / trained_here
-            self.logger.note(self.estimate_due.fit_line(seconds_per_step, self.total_steps - self.schedule_step),
+            self.logger.note(self.estimate_due.fit_line(seconds_per_step, self.plan.last_step - self.progress.step),
                              self.progress.step)
             self.estimate_due = None
 
-    def ranks_agree_to_stop(self) -> bool:
-        """Whether any rank wants to stop now, outside a step (a signal during an evaluation):
-        an agreement of its own, waited for, on every rank."""
+    def all_ranks_vote_on_stop(self) -> bool:
+        """A collective every rank calls at the same point: whether any rank wants to stop now,
+        outside a step (a signal during an evaluation), in an agreement of its own, waited for."""
         return read_agreement(start_agreement(self.stop, torch.zeros(()), self.clock, self.rt, self.agreement)).stopping
 
     def finish(self, evaluate: Callable[[], object], final_model: torch.nn.Module) -> None:
@@ -289,7 +358,7 @@ class TrainingRun:
         self.wait_unjudged = False
         wait = gradient_wait(ddp_statistics(self.state.get("model")))
         if wait and wait[0] > MOSTLY_WAITING:
-            line = waiting_line(wait, epoch=self.progress.epoch, images_per_rank=self.global_batch // self.rt.world_size)
+            line = waiting_line(wait, epoch=self.progress.epoch, images_per_rank=self.plan.batch_size)
             self.logger.note(line, self.progress.step)
 
     def this_step(self) -> Verdict:
@@ -317,54 +386,3 @@ class TrainingRun:
         step = self.progress.step if step is None else step
         return Diverged(f"{what} at step {step} (epoch {self.progress.epoch})")
 
-
-class InterruptingRun(TrainingRun):
-    """A TrainingRun whose process sends itself a signal as step N ends (--interrupt-at
-    N:USR1 or N:TERM, a testing aid), as Slurm or a user would: every rank then stops after
-    step N+1 (or at N, a checkpoint step). new_run makes one on rank 0 alone, and only when
-    the option is given: no other run looks at it."""
-
-    def step_done(self, loss: torch.Tensor, images: int) -> None:
-        step, name = self.options.interrupt_at.split(":")
-        if self.progress.step + 1 == int(step):  # (before this step's agreement starts, which hears it)
-            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
-        super().step_done(loss, images)
-
-
-class TroubledRun(TrainingRun):
-    """Testing aids for the hang report and the straggler line, set by environment variables
-    that users never see (not options): MNIST_DDP_TEST_HANG=R:N, rank R hangs in Python when
-    step N ends (R:N:gil, in a C call that holds the interpreter's lock); MNIST_DDP_TEST_SLOW=R:S,
-    rank R sleeps S seconds before each forward pass; MNIST_DDP_TEST_SLOW_SAVE=R:N:S, rank R's
-    checkpoint of step N takes S seconds more."""
-
-    def __init__(self, **fields):
-        super().__init__(**fields)
-        slow = os.environ.get("MNIST_DDP_TEST_SLOW", "")
-        if slow and int(slow.split(":")[0]) == self.rt.rank:
-            seconds = float(slow.split(":")[1])
-            self.state["model"].register_forward_pre_hook(lambda *_: time.sleep(seconds))
-
-    def checkpoint(self) -> Path:
-        rank, step, seconds = os.environ.get("MNIST_DDP_TEST_SLOW_SAVE", "-1:0:0").split(":")
-        if (int(rank), int(step)) == (self.rt.rank, self.progress.step):
-            hangs.doing("saving a checkpoint", hangs.OWN)
-            time.sleep(float(seconds))  # (a slow file system)
-        return super().checkpoint()
-
-    def step_done(self, loss: torch.Tensor, images: int) -> None:
-        rank, step, *how = os.environ.get("MNIST_DDP_TEST_HANG", "-1:0").split(":")
-        if (int(rank), int(step)) == (self.rt.rank, self.progress.step + 1):  # (until the test, or the launcher, ends it)
-            if how == ["gil"]:  # a C call that keeps the interpreter's lock: no Python thread runs
-                ctypes.PyDLL(None).sleep(3600)
-            time.sleep(3600)
-        super().step_done(loss, images)
-
-
-def new_run(**fields) -> TrainingRun:
-    """TrainingRun(**fields); on rank 0 with --interrupt-at an InterruptingRun; with a test's
-    MNIST_DDP_TEST_HANG, _SLOW or _SLOW_SAVE a TroubledRun."""
-    if any(os.environ.get(f"MNIST_DDP_TEST_{aid}") for aid in ("HANG", "SLOW", "SLOW_SAVE")):
-        return TroubledRun(**fields)
-    interrupting = fields["options"].interrupt_at and fields["rt"].is_main
-    return (InterruptingRun if interrupting else TrainingRun)(**fields)

@@ -1,0 +1,306 @@
+"""The job's contract: what the Slurm job's supervisor (ddpkit/supervisor/), the ranks
+(mnist_ddp.py and the rest of ddpkit/) and sweep.py must agree on, each written once here
+and imported by both sides: the exit codes and which of them a restart may fix, the run's
+name, the job's name in scontrol and its rendezvous port, the one reader of `scontrol show
+job` and the one requeue, the environment variables the supervisor passes to the ranks
+(JobEnv), the files of the run directory and of the job's folder (JobPaths), how a setting
+and an option are written, the options of a run's first start alone, and the name of each
+step's checkpoint.
+
+The supervisor runs it with the node's python3, outside any container, which may be as old
+as 3.6 (RHEL 8): so the standard library only, and nothing newer than Python 3.6
+(tests/unit/test_supervisor_main.py checks it with vermin)."""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
+
+from ddpkit import sweeplines
+
+# ----------------------------------------------------------------------------- exit codes
+
+# The exit codes of the ranks, and of the job that runs them.
+EXIT_BUG = 1
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_LOST_PEER = 4  # another rank died or hung: the one failure that running again fixes
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
+# The codes after which nothing starts the ranks again (the supervisor's restarts, torchrun's):
+# a restart would repeat a bug, a usage problem or a divergence, and a stop asked to stop.
+NOT_RETRIED = (EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED, EXIT_STOPPED)
+
+
+# ----------------------------------------------------------------------------- the run and the job
+
+RUN_NAME_RULE = "one directory name of letters, digits and ._-+=,@ (no / or spaces, not . or ..)"
+
+
+def is_run_name(name: str) -> bool:
+    """The one rule for a run's name: one directory name, so that LOG_DIR/NAME stays in LOG_DIR."""
+    return re.fullmatch(f"[{sweeplines.NAME_CHARS}]+", name) is not None and name not in (".", "..")
+
+
+def default_run_name(job: str) -> str:
+    """The run's name when none is given: a requeued job finds its own directory again."""
+    return "job-" + job
+
+
+def this_job(env: Mapping[str, str]) -> str:
+    """This job as scontrol and scancel name it: an array task is ARRAYID_TASK."""
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID", "")
+
+
+def port_from_job_id(job_id: str) -> int:
+    """A rendezvous port every task of a job derives alike, different for jobs sharing a node.
+    10000-29999 stays below Linux's ephemeral range (32768-60999), so an outgoing connection
+    cannot already hold it."""
+    return 10000 + int(job_id or 0) % 20000
+
+
+# ----------------------------------------------------------------------------- what passes to the ranks
+
+class JobEnv:
+    """Every environment variable the supervisor sets for the ranks, named once (as submitit's
+    `_env` table names its own). SIDES says who writes each one and who reads it, itself or
+    through a function of this module: the supervisor (ddpkit/supervisor/), the ranks
+    (mnist_ddp.py and the rest of ddpkit/) or sweep.py (tests/unit/test_contract.py checks
+    that each side does)."""
+    EXIT_DIR = "MNIST_DDP_EXIT_DIR"              # the job's folder (JobPaths.job_dir), where each rank leaves its files
+    ATTEMPT = "MNIST_DDP_ATTEMPT"                # "k/N": this start of the step is the k-th of at most N
+    REQUEUE_SIGNAL = "MNIST_DDP_REQUEUE_SIGNAL"  # SIGNAL: a stop on it, or on the time limit, asks for a requeue
+    JOB_INFO = "MNIST_DDP_JOB_INFO"              # the job's `scontrol show job -o` line, for rank 0's time limit
+    JOB_TIMES = "MNIST_DDP_JOB_TIMES"            # its start and end in Unix seconds, "START END" (scontrol prints local time)
+    RESUBMIT = "MNIST_DDP_RESUBMIT"              # the beginning of the sbatch line that continues the run
+    SIDES = {  # name: (who writes it, who reads it)
+        "EXIT_DIR": ("supervisor", "ranks"),
+        "ATTEMPT": ("supervisor", "ranks"),
+        "REQUEUE_SIGNAL": ("supervisor", "ranks"),
+        "JOB_INFO": ("supervisor", "ranks"),
+        "JOB_TIMES": ("supervisor", "ranks"),
+        "RESUBMIT": ("supervisor", "ranks"),
+    }
+
+
+def resubmit_start() -> str:
+    """Under run_training.sbatch, the beginning of the sbatch line that continues this run (its
+    settings, the job's request, the batch file), which the ranks end with the run's
+    options; "" elsewhere."""
+    return os.environ.get(JobEnv.RESUBMIT, "")
+
+
+def run_name_setting() -> str:
+    """How advice names another run: --run-name, or in a job of run_training.sbatch (which
+    reads RUN_NAME and refuses --run-name after its file name) RUN_NAME."""
+    return "RUN_NAME" if resubmit_start() else "--run-name"
+
+
+class JobPaths:
+    """Every file that passes between the supervisor, the ranks and sweep.py, named once (as
+    submitit's JobPaths names a job's files). In the run directory: EXIT_CODE, and JOB_DIRS
+    with one folder for each job of the run (job_dir), so that a second job of the same run,
+    refused while the first one runs, never touches the first one's files. In that folder:
+    the rest. SIDES says who writes each file and who reads it, as JobEnv.SIDES does."""
+    EXIT_CODE = "exit-code"                # how the run's last attempt ended, for sweep.py and whoever reads RUN_DIR
+    JOB_DIRS = "exit-codes"                # RUN_DIR/exit-codes/job-<id>: each job's folder
+    RANK_CODE = "rank-{}"                  # rank-<r>: that rank's exit code, once all it wrote is on disk
+    REQUEUE = "requeue"                    # rank 0 stopped on a signal that asks for a requeue: why
+    CONTINUE_COMMAND = "continue-command"  # rank 0's command that continues the run, printed after END
+    RUN_DIR_TAKEN = "run-dir-taken"        # another job holds the run directory: leave its files alone
+    WORLD_SIZES = "world-sizes"            # the world sizes the run's global batch splits among, after a lost node
+    SIDES = {  # name: (who writes it, who reads it), several sides separated by spaces
+        "EXIT_CODE": ("ranks supervisor sweep", "sweep"),
+        "JOB_DIRS": ("supervisor", "sweep"),
+        "RANK_CODE": ("ranks", "supervisor"),
+        "REQUEUE": ("ranks", "supervisor"),
+        "CONTINUE_COMMAND": ("ranks", "supervisor"),
+        "RUN_DIR_TAKEN": ("ranks", "supervisor"),
+        "WORLD_SIZES": ("ranks", "supervisor"),
+    }
+
+    @staticmethod
+    def job_dir(run_dir: str, job: str) -> str:
+        """The folder of the job `job` in the run directory."""
+        return os.path.join(run_dir, JobPaths.JOB_DIRS, "job-" + job)
+
+    @staticmethod
+    def is_rank_code(name: str) -> bool:
+        """Whether a file of the job's folder is a rank's exit code."""
+        return re.fullmatch(JobPaths.RANK_CODE.format(r"\d+"), name) is not None
+
+
+def read_codes(job_dir: str) -> Dict[int, int]:
+    """The exit codes the ranks left in the job's folder, by rank: the one reader of them, for
+    the supervisor and for ranks restarted by torchrun. A rank that left none, or a file
+    that holds no code, is missing."""
+    codes = {}  # type: Dict[int, int]
+    for name in os.listdir(job_dir) if os.path.isdir(job_dir) else []:
+        if JobPaths.is_rank_code(name):
+            try:
+                with open(os.path.join(job_dir, name)) as file:
+                    text = file.read().strip()
+            except OSError:
+                continue
+            if re.fullmatch("[0-9]+", text):
+                codes[int(name.rpartition("-")[2])] = int(text)
+    return codes
+
+
+# ----------------------------------------------------------------------------- scontrol
+
+SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not hold the job, or keep the other ranks waiting, forever
+
+
+def run(command: List[str], timeout: float, env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    """A command's exit code and its output as UTF-8 text, whatever the locale (Python 3.6 reads
+    a C locale as ASCII; subprocess.run's text= and capture_output= are newer)."""
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, encoding="utf-8", errors="replace",
+                          timeout=timeout, env=env)
+
+
+def last_line(text: str) -> str:
+    """The last line a command wrote (scontrol's error follows its warnings), or ""."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def scontrol_show_job(job: str) -> subprocess.CompletedProcess:
+    """`scontrol show job -o` of this job, times in ISO form; OSError or SubprocessError when it
+    cannot run or hangs."""
+    return run(["scontrol", "show", "job", "-o", job], SCONTROL_TIMEOUT, dict(os.environ, SLURM_TIME_FORMAT="standard"))
+
+
+def show_job(job: str) -> str:
+    """This job's one `scontrol show job -o` line ("" when scontrol cannot say)."""
+    try:
+        result = scontrol_show_job(job)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return result.stdout.partition("\n")[0] if result.returncode == 0 else ""
+
+
+def job_fields(info: str) -> Dict[str, str]:
+    """The KEY=VALUE fields of one `scontrol show job -o` line."""
+    return dict(re.findall(r"(\w+)=(\S*)", info))
+
+
+def unix_time(text: str) -> Optional[int]:
+    """Unix seconds of a time as scontrol prints it (2026-11-24T10:00:00, local time on the
+    host); None for Unknown, None or N/A."""
+    try:
+        return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
+def requeue_allowed(fields: Mapping[str, str]) -> Tuple[Optional[bool], str]:
+    """Whether the job's scontrol fields allow a requeue (None: they do not say), and when they
+    do not, why not, to follow "Slurm job <id>"."""
+    if fields.get("BatchFlag") == "0":
+        return False, "is an interactive allocation (salloc), which Slurm does not requeue"
+    allowed = {"1": True, "0": False}.get(fields.get("Requeue", ""))
+    return allowed, "" if allowed else "may not be requeued (it was submitted without --requeue)"
+
+
+def requeue_job(job: str, after: str = "", before: str = "", about_to_requeue: Callable[[], None] = lambda: None
+                ) -> bool:
+    """Ask Slurm to requeue this job, if it may: the one requeue, of the supervisor and of a rank
+    0 that runs without it. Any failure (no scontrol, a timeout, a refusal) means 'not
+    requeued', said in one line, never a crash. When Slurm accepts, it ends the job's processes."""
+    if not job or shutil.which("scontrol") is None:
+        return False
+    try:
+        shown = scontrol_show_job(job)
+        if shown.returncode != 0:
+            print(f"could not requeue Slurm job {job} (scontrol show job: {last_line(shown.stderr)})", flush=True)
+            return False
+        allowed, why_not = requeue_allowed(job_fields(shown.stdout.partition("\n")[0]))
+        if not allowed:
+            print(f"Slurm job {job} {why_not}", flush=True)
+            return False
+        after = " after " + after if after else ""
+        print(f"requeueing Slurm job {job}{after}; it resumes from its last checkpoint{before}", flush=True)
+        about_to_requeue()
+        result = run(["scontrol", "requeue", job], SCONTROL_TIMEOUT)
+    except (OSError, subprocess.SubprocessError) as err:
+        print(f"could not requeue Slurm job {job} (scontrol: {err})", flush=True)
+        return False
+    if result.returncode != 0:
+        why = last_line(result.stderr) or f"exit {result.returncode}"
+        print(f"could not requeue Slurm job {job} (scontrol requeue: {why})", flush=True)
+    return result.returncode == 0
+
+
+# ----------------------------------------------------------------------------- the ranks' command line
+
+def shell_setting(name: str, value: str) -> str:
+    """A setting as a shell line writes it before a command: NAME=value with the value alone
+    quoted (a shell reads a quoted 'NAME=value' as a command)."""
+    return f"{name}={shlex.quote(value)}"
+
+
+def option_word(option: str, value: str) -> str:
+    """An option the ranks are given, as --option=value: one word, whatever the value (a run
+    named -lr3: `--run-name -lr3` would be two options)."""
+    return f"{option}={value}"
+
+
+# The options that belong to a run's first start alone: where it started from (a restart or a
+# requeue goes on from the run's own newest checkpoint, as --resume auto does; --resume never
+# would refuse it) and the stop rehearsed at a chosen step (it would stop the run there again).
+# The step that continues a run, and every line printed to continue it, leave them out.
+FIRST_START_ONLY = ("--resume", "--interrupt-at")
+CKPT_DIR = "checkpoints"  # RUN_DIR/checkpoints: the run's own checkpoints
+CKPT_NAME = "ckpt-{:08d}.pt"  # the one name of the checkpoint of each step, in RUN_DIR/checkpoints
+
+
+def without_first_start_options(args: List[str]) -> List[str]:
+    """The options with those of FIRST_START_ONLY left out, as --opt VALUE or --opt=VALUE."""
+    kept, value_next = [], False  # type: List[str], bool
+    for arg in args:
+        if value_next:
+            value_next = False
+        elif arg in FIRST_START_ONLY:
+            value_next = True
+        elif arg.partition("=")[0] not in FIRST_START_ONLY:
+            kept.append(arg)
+    return kept
+
+
+def option_value(args: List[str], option: str) -> str:
+    """The value the last --option VALUE or --option=VALUE of args gives, or ""."""
+    value = ""
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg[len(option) + 1:]
+    return value
+
+
+def step_of_checkpoint(name: str) -> int:
+    """The step in a checkpoint's file name (ckpt-00000120.pt: 120), -1 for any name but the one
+    a run gives the checkpoint of that step: ckpt-best.pt, or ckpt-120.pt beside
+    ckpt-00000120.pt, is a user's copy, never taken for the run's own."""
+    match = re.fullmatch(r"ckpt-(\d+)\.pt", name)
+    return int(match.group(1)) if match and name == CKPT_NAME.format(int(match.group(1))) else -1
+
+
+def continuing_args(given: List[str], run_dir: str) -> List[str]:
+    """The options of a restart or a requeue, which go on from the run's own newest checkpoint:
+    without those of FIRST_START_ONLY. But while the run holds none (its first start ended
+    before its first save), a --resume FILE stays: else it would start afresh, not from FILE."""
+    kept = without_first_start_options(given)
+    resume = option_value(given, "--resume")
+    try:
+        names = os.listdir(os.path.join(run_dir, CKPT_DIR))
+    except OSError:
+        names = []
+    if resume not in ("", "auto", "never") and not any(step_of_checkpoint(name) >= 0 for name in names):
+        kept.append(option_word("--resume", resume))
+    return kept

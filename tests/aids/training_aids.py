@@ -1,0 +1,114 @@
+"""Testing aids for runs of mnist_ddp.py, set by environment variables that users never see:
+
+  AID_HANG=R:N[:gil]   rank R hangs as step N ends, in Python (with :gil, in a C call that
+                       holds the interpreter's lock: no Python thread runs), until the test
+                       or the launcher ends it
+  AID_SLOW=R:S         rank R sleeps S seconds before each forward pass of its model
+  AID_SLOW_SAVE=R:N:S  rank R's checkpoint of step N takes S seconds more (a slow file system)
+  AID_STEP_SECONDS=S   every rank's training step lasts at least S seconds: it sleeps the rest
+                       after the step, so that a run has a known length whatever the load
+  AID_NO_STEP_TIMES=1  no rank times its own part of a step (the straggler figures), for
+                       benchmarks/bench.py --step-times, which measures what they cost
+
+ddpkit holds no trace of them. A process gets them by importing this module before
+ddpkit.training_run: sitecustomize.py beside it does so at start-up in every process whose
+PYTHONPATH holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks,
+Slurm jobs), and the tests' forkserver imports it before it imports ddpkit. The module
+wraps TrainingRun's methods as ddpkit.training_run is imported (or at once, if it already
+was). The wrappers read the variables when they are called, so that a run forked from a
+process that imported ddpkit before the run's environment was known reads its own; unset,
+they do nothing.
+
+It runs in every Python process of a test, the Slurm supervisor's host python3 included:
+standard library alone, nothing newer than Python 3.6, and nothing imported before it is used."""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+
+TRAINING_RUN = "ddpkit.training_run"
+
+
+def fields(name):
+    """The variable's fields (it split at ':'), or [] when it is unset."""
+    value = os.environ.get(name, "")
+    return value.split(":") if value else []
+
+
+def aid(module):
+    """Wrap the TrainingRun of `module` (ddpkit.training_run, just imported) with the aids, once."""
+    run = module.TrainingRun
+    if getattr(run, "aided", False):
+        return
+    run.aided = True
+    plain_init, plain_epoch_begins, plain_step_done, plain_checkpoint = (
+        run.__init__, run.epoch_begins, run.step_done, run.checkpoint)
+    plain_step_timer = module.StepTimer
+
+    def step_timer(model):
+        return plain_step_timer(None if os.environ.get("AID_NO_STEP_TIMES") == "1" else model)
+
+    def __init__(self, *args, **kwargs):
+        plain_init(self, *args, **kwargs)
+        slow = fields("AID_SLOW")
+        if slow and int(slow[0]) == self.rt.rank:
+            seconds = float(slow[1])
+            self.state["model"].register_forward_pre_hook(lambda *_: time.sleep(seconds))
+        self.aid_step_began = time.perf_counter()
+
+    def epoch_begins(self):
+        epoch = plain_epoch_begins(self)
+        self.aid_step_began = time.perf_counter()
+        return epoch
+
+    def step_done(self, loss, images):
+        hang = fields("AID_HANG")
+        if hang and (int(hang[0]), int(hang[1])) == (self.rt.rank, self.progress.step + 1):
+            if hang[2:] == ["gil"]:
+                import ctypes
+                ctypes.PyDLL(None).sleep(3600)
+            time.sleep(3600)
+        rest = self.aid_step_began + float(os.environ.get("AID_STEP_SECONDS") or 0) - time.perf_counter()
+        if rest > 0:
+            time.sleep(rest)
+        plain_step_done(self, loss, images)
+        self.aid_step_began = time.perf_counter()
+
+    def checkpoint(self):
+        slow = fields("AID_SLOW_SAVE")
+        if slow and (int(slow[0]), int(slow[1])) == (self.rt.rank, self.progress.step):
+            module.hangs.doing("saving a checkpoint", module.hangs.OWN)  # (what the hang report says it does)
+            time.sleep(float(slow[2]))
+        path = plain_checkpoint(self)
+        self.aid_step_began = time.perf_counter()
+        return path
+
+    module.StepTimer = step_timer
+    run.__init__, run.epoch_begins, run.step_done, run.checkpoint = __init__, epoch_begins, step_done, checkpoint
+
+
+class AidOnImport(importlib.abc.MetaPathFinder):
+    """Finds ddpkit.training_run as Python would, and has aid() wrap it once it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != TRAINING_RUN:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        plain_exec_module = spec.loader.exec_module
+
+        def exec_module(module):
+            plain_exec_module(module)
+            aid(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if TRAINING_RUN in sys.modules:
+    aid(sys.modules[TRAINING_RUN])
+elif not any(isinstance(finder, AidOnImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, AidOnImport())

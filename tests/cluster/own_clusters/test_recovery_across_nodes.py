@@ -1,0 +1,138 @@
+"""Failures across nodes, on clusters in network namespaces (local-slurm.sh): a torchrun
+worker killed across two nodes is restarted, and a node of a three-node cluster lost (the
+job requeued onto the nodes left by Slurm, or under --no-kill by the supervisor; with
+MIN_NODES going on with the node it still holds). On one node:
+tests/cluster/one_node/test_recovery_on_slurm.py.
+
+The times these tests print (node lost to training again) are the README's "Failures and
+recovery" figures; nothing asserts on them.
+
+    python -m pytest tests/cluster/own_clusters/test_recovery_across_nodes.py
+"""
+
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.cluster import FAST, LOCAL_SLURM, Cluster, finish, lost_steps, output_of, signal_rank, wait_for
+from helpers.images import read_metrics
+from helpers.processes import clean_env
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    """Three nodes; slurmctld declares a silent node down within about 10 s."""
+    cluster = Cluster(tmp_path_factory.mktemp("slurm3"), 3,
+                      clean_env(LOCAL_SLURM_PORT="16847", LOCAL_SLURM_PREFIX="ft", LOCAL_SLURM_SUBNET="10.231.11",
+                                LOCAL_SLURM_SELF_LOOPBACK="1", LOCAL_SLURM_CONF="SlurmdTimeout=10\nMessageTimeout=3"))
+    yield cluster
+    cluster.stop()
+
+
+def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path):
+    client = two_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                              [*FAST, "--epochs", "6"], LAUNCHER="torchrun", RUN_NAME="elastic")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    killed = signal_rank("elastic", 1, signal.SIGKILL)
+    resumed = wait_for(tmp_path, r"^0: resumed from ")
+    _, out = finish(client, tmp_path)
+    print(f"\ntorchrun: SIGKILL to training resumed {resumed - killed:.1f} s; steps lost {lost_steps(out)}")
+    assert re.search(r"^0: resumed from \S+: epoch \d, step \d+ \(attempt 2/4, requeued 0x\)", out, re.M), out[-3000:]
+    assert re.search(r"^END .* exit=0$", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "elastic")] == list(range(1, 7))
+
+
+@contextlib.contextmanager
+def rank_1_node_cut_off(submit_dir: Path, run_name: str):
+    """Rank 1's node drops off the network (its link into the cluster's bridge goes down) and
+    its rank is killed; yields (rank 0's node, the lost node, when); the link comes back after."""
+    first, node = (re.search(rf"^{r}: \[rank {r}/2\] (\S+) ", output_of(submit_dir), re.M).group(1) for r in (0, 1))
+    link = ["ip", "-n", f"{node[:-2]}-ctl", "link", "set", f"v{node[-1]}"]  # (local-slurm.sh's names: ftn2 is v2 in ft-ctl)
+    subprocess.run([*link, "down"], check=True)
+    try:
+        yield first, node, signal_rank(run_name, 1, signal.SIGKILL)
+    finally:
+        subprocess.run([*link, "up"], check=True)
+
+
+def test_a_job_that_loses_a_node_goes_on_with_the_node_left_at_half_the_world_size(three_nodes, tmp_path):
+    """MIN_NODES=1, --no-kill: a 2-node job's second node drops off the network (its link down)
+    and its rank is killed. Slurm declares the node down and leaves the job the first one;
+    the supervisor starts the step there with 1 rank, which goes on in mid-epoch from the
+    checkpoint of 2 with the same global batch, and the job ends with exit 0, each epoch
+    logged once, within 0.3 points of the accuracy of a run that lost nothing."""
+    args = ["--ckpt-every", "10", "--epochs", "4"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
+                                           "--no-kill"], args, RUN_NAME="shrunk", MIN_NODES="1")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    with rank_1_node_cut_off(tmp_path, "shrunk") as (first, _, lost):
+        went_on = wait_for(tmp_path, r"^ATTEMPT 2/4 after exit .*: the job holds 1 of its 2 nodes", timeout=300)
+        job_id, out = finish(client, tmp_path)
+        ended = time.monotonic()
+    print(f"\nnode lost at 0 s; the job went on with 1 node at {went_on - lost:.1f} s; it finished at {ended - lost:.1f} s")
+    shrunk = re.search(r"^ATTEMPT 2/4 after exit .*$", out, re.M).group(0)
+    print(shrunk)
+    assert shrunk.endswith(f"the job holds 1 of its 2 nodes ({first}), so on 1 node(s) with 1 rank(s) "
+                           "instead of 2; it resumes from the newest checkpoint"), shrunk
+    assert re.search(r"^0: global batch 128 \(1 x 128\)", out, re.M), out[-3000:]
+    assert re.search(r"^0: \S+ckpt-\d+\.pt was written by 2 ranks, this run has 1: the same global batch of 128, so the run "
+                     r"goes on at step \d+", out, re.M), out[-3000:]
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    run_dir = tmp_path / "runs" / "shrunk"
+    metrics = read_metrics(run_dir)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
+    assert not (run_dir / "checkpoints" / "superseded").exists()
+    healthy = subprocess.run([sys.executable, str(LOCAL_SLURM.parent / "mnist_ddp.py"), *args, "--run-dir", "healthy"],
+                             cwd=tmp_path, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    assert healthy.returncode == 0, healthy.stderr[-2000:]
+    accuracy, expected = metrics[-1]["test_accuracy"], read_metrics(tmp_path / "healthy")[-1]["test_accuracy"]
+    print(f"accuracy {accuracy:.4f}, a run that lost nothing {expected:.4f}")
+    assert abs(accuracy - expected) <= 0.003
+
+
+def test_a_no_kill_job_that_loses_a_node_without_min_nodes_is_requeued_onto_whole_nodes(three_nodes, tmp_path):
+    """--no-kill without MIN_NODES: the job that lost a node would wait for it forever (srun
+    asks for 2 nodes, the job holds 1): the supervisor requeues it instead, and it reruns
+    on 2 nodes that work, resuming."""
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
+                                           "--no-kill"], ["--ckpt-every", "10", "--epochs", "3"], RUN_NAME="whole")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    with rank_1_node_cut_off(tmp_path, "whole") as (first, node, _):
+        job_id, out = finish(client, tmp_path)
+    assert re.search(rf"^requeueing Slurm job {job_id} after exit \d+: the job holds 1 of its 2 nodes \({first}\), fewer "
+                     r"than MIN_NODES=2 \(unset: every node of the job\); it resumes from its last checkpoint", out, re.M), \
+        out[-3000:]
+    rerun_nodes = re.findall(r"^START .* restart=1 nodes=(\S+) ", out, re.M)[0]
+    assert node not in subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "scontrol", "show", "hostnames",
+                                       rerun_nodes], env=three_nodes.env, capture_output=True, text=True).stdout.split()
+    assert re.search(r"^0: resumed from .*\(attempt 1/4, requeued 1x\)", out, re.M)
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "whole")] == [1, 2, 3]
+
+
+def test_a_lost_node_requeues_the_job_onto_the_nodes_left(three_nodes, tmp_path):
+    """A 2-node job loses its second node (slurmd, the step's daemon and the rank: every
+    process in that node's namespace, SIGKILLed). Slurm declares the node down and
+    requeues the job (--requeue), which reruns on the other two nodes and resumes."""
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                                [*FAST, "--epochs", "6"], RUN_NAME="survivor")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    node = re.search(r"^1: \[rank 1/2\] (\S+) ", output_of(tmp_path), re.M).group(1)
+    pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run(["kill", "-9", *pids], check=True)
+    lost = time.monotonic()
+    resumed = wait_for(tmp_path, r"^0: resumed from ", timeout=300)
+    job_id, out = finish(client, tmp_path)
+    print(f"\nnode lost to training again on the nodes left: {resumed - lost:.1f} s")
+    assert re.search(rf"^START .* job={job_id} restart=1 nodes=\S+ ", out, re.M)
+    rerun_nodes = re.findall(r"^START .* restart=1 nodes=(\S+) ", out, re.M)[0]
+    assert node not in subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "scontrol", "show", "hostnames",
+                                       rerun_nodes], env=three_nodes.env, capture_output=True, text=True).stdout.split()
+    assert re.search(r"^0: resumed from .*\(attempt 1/4, requeued 1x\)", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "survivor")] == list(range(1, 7))

@@ -1,0 +1,1 @@
+"""What the tests share: starting processes, making data, a local Slurm (docs/tests.md)."""

@@ -1,0 +1,43 @@
+"""--deterministic in a real run's process: it turns on cuDNN's deterministic mode (and off
+its benchmark), torch's deterministic algorithms and CUBLAS_WORKSPACE_CONFIG (and they stay
+off without it); a run that meets an operation without a deterministic implementation stops
+in one line naming it. The device decisions at unit level: tests/unit/test_distributed.py.
+
+    python -m pytest tests/runs/test_distributed_runs.py
+"""
+
+import json
+
+from helpers.processes import run_python
+
+
+def test_deterministic_sets_cudnn_cublas_and_torchs_deterministic_algorithms(tmp_path):
+    """In a real run's process: --deterministic turns all three on (and they stay off without it)."""
+    code = ("import json, os, sys, torch, mnist_ddp; code = mnist_ddp.main(sys.argv[1:]); "
+            "print('SETTINGS', json.dumps([torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, "
+            "torch.are_deterministic_algorithms_enabled(), os.environ.get('CUBLAS_WORKSPACE_CONFIG')])); sys.exit(code)")
+    seen = {}
+    for flag in ([], ["--deterministic"]):
+        result = run_python(["--max-steps", "2", "--run-dir", f"run{len(flag)}", *flag], tmp_path, code=code)
+        assert result.returncode == 0, result.stderr
+        seen[bool(flag)] = json.loads(result.stdout.split("SETTINGS ")[1])
+    assert seen[True] == [True, False, True, ":4096:8"]
+    assert seen[False][2] is False and seen[False][3] is None
+
+
+def test_deterministic_run_that_meets_such_an_operation_stops_in_one_line(tmp_path):
+    """A user's step that uses an operation without a deterministic implementation: exit 2,
+    one line that names it, no traceback."""
+    code = ("import sys, torch, mnist_ddp\n"
+            "step = mnist_ddp.train_step\n"
+            "def my_step(*args, **kwargs):\n"
+            "    torch.zeros(3).put_(torch.tensor([0]), torch.ones(1))\n"
+            "    return step(*args, **kwargs)\n"
+            "mnist_ddp.train_step = my_step\n"
+            "sys.exit(mnist_ddp.main(sys.argv[1:]))\n")
+    result = run_python(["--max-steps", "2", "--deterministic", "--run-dir", "run"], tmp_path, code=code)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "mnist_ddp.py: error: --deterministic: put_ has no deterministic implementation on cpu, so this run cannot be "
+        "bit-identical; leave out --deterministic, or change the model or step that uses it")
+    assert "Traceback" not in result.stderr

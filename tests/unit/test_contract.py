@@ -1,0 +1,194 @@
+"""The job's contract (ddpkit/contract.py), what the supervisor, the ranks and sweep.py agree
+on: that each variable and file they pass is spelled there alone, and that the side the
+contract says writes it and the side it says reads it each refer to it; that no rank
+imports the supervisor; the rules themselves (the rendezvous port, the ranks' codes, the
+options a restart goes on with, the advice's name for another run).
+
+    python -m pytest tests/unit/test_contract.py
+"""
+
+import ast
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.contract import JobEnv, JobPaths, continuing_args, port_from_job_id, read_codes
+from helpers.processes import ROOT
+
+# ----------------------------------------------------------------------------- one name, two sides
+
+CONTRACT = ROOT / "ddpkit" / "contract.py"
+SIDES = {  # each side of the contract: its modules
+    "supervisor": sorted((ROOT / "ddpkit" / "supervisor").glob("*.py")),
+    "ranks": [ROOT / "mnist_ddp.py"] + sorted(p for p in (ROOT / "ddpkit").glob("*.py")
+                                               if p.name not in ("contract.py", "sweeplines.py")),
+    "sweep": [ROOT / "sweep.py"],
+}
+SHELL_FILES = [ROOT / "run_training.sbatch", ROOT / "local-slurm.sh"]
+TABLES = {"JobEnv": JobEnv, "JobPaths": JobPaths}
+
+
+def names_of(table: type) -> dict:
+    """A table's names: attribute -> its string (JobEnv.EXIT_DIR -> MNIST_DDP_EXIT_DIR)."""
+    return {name: value for name, value in vars(table).items() if name.isupper() and name != "SIDES"}
+
+
+def literal_forms(node: ast.AST) -> list:
+    """The strings a node spells: a constant as it is, an f-string with {} for each value."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return ["".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values)]
+    return []
+
+
+def shell_form(value: str) -> str:
+    """How a shell line would spell a variable (a word) or a file of the contract (after a /)."""
+    if value.startswith("MNIST_DDP_"):
+        return rf"\b{value}\b"
+    name = re.escape(value.replace("*", "{}").split("{")[0])
+    return rf"/{name}" if "{" in value or "*" in value else rf"/{name}(?![\w-])"
+
+
+def test_every_variable_and_file_the_sides_share_is_spelled_in_the_contract_alone():
+    """Each MNIST_DDP_* variable and each file of the run directory and the job's folder is a
+    string in ddpkit/contract.py alone: every other module names it through JobEnv or
+    JobPaths (a rank's file rank-<r> too, as an f-string or a glob)."""
+    spelled = {value: f"{table}.{name}" for table, cls in TABLES.items() for name, value in names_of(cls).items()}
+    assert len(spelled) == sum(len(names_of(cls)) for cls in TABLES.values()), "two names spell the same string"
+    spelled.update({value.format("*"): name for value, name in list(spelled.items()) if "{}" in value})
+    found = []
+    for path in sorted({p for paths in SIDES.values() for p in paths} | {CONTRACT}):
+        text = path.read_text()
+        if path != CONTRACT:
+            found += [f"{path.name}: MNIST_DDP_" for _ in range(text.count("MNIST_DDP_"))]
+            found += [f"{path.name}:{node.lineno}: {form!r} ({spelled[form]})" for node in ast.walk(ast.parse(text))
+                      for form in literal_forms(node) if form in spelled]
+    for path in SHELL_FILES:  # (a file's name, after a /: `requeue` in a comment or a command is no file)
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.lstrip().startswith("#"):
+                found += [f"{path.name}:{number}: {value}" for value in spelled if re.search(shell_form(value), line)]
+    assert found == []
+
+
+def contract_functions() -> dict:
+    """Each function of the contract (JobPaths' as JobPaths.NAME) -> the table names it uses,
+    itself or through the contract's other functions."""
+    tree = ast.parse(CONTRACT.read_text())
+    defs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        defs.update({f"{cls.name}.{node.name}": node for node in cls.body if isinstance(node, ast.FunctionDef)})
+    direct = {name: uses(node, set(defs)) for name, node in defs.items()}
+    closed = {}
+    for name in direct:
+        seen, todo = set(), [name]
+        while todo:
+            for used in direct[todo.pop()] - seen:
+                seen.add(used)
+                todo += [used] if used in direct else []
+        closed[name] = {used for used in seen if used not in direct}
+    return closed
+
+
+def uses(tree: ast.AST, functions: set) -> set:
+    """The table names (JobEnv.ATTEMPT) and the functions of the contract (of `functions`) a
+    piece of code refers to."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in TABLES:
+            found.add(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in functions:
+            found.add(node.id)
+    return found
+
+
+def imported_from_contract(tree: ast.AST) -> set:
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.contract"
+            for alias in node.names}
+
+
+def test_each_name_is_written_by_one_side_and_read_by_the_other():
+    """JobEnv.SIDES and JobPaths.SIDES declare, for every name, who writes it and who reads
+    it (the supervisor, the ranks, sweep.py): each of those sides refers to the name, itself
+    or through a function of the contract, and a name that one side writes another reads."""
+    functions = contract_functions()
+    used_by = {}
+    for side, paths in SIDES.items():
+        for path in paths:
+            tree = ast.parse(path.read_text())
+            for name in uses(tree, imported_from_contract(tree) & set(functions)):
+                used_by.setdefault(side, set()).update(functions.get(name, {name}) | {name})
+    for table, cls in TABLES.items():
+        assert set(cls.SIDES) == set(names_of(cls)), f"{table}.SIDES must name every entry of {table}, and no other"
+        for name, (writers, readers) in cls.SIDES.items():
+            writers, readers = writers.split(), readers.split()
+            assert writers and readers and set(writers) | set(readers) <= set(SIDES), (table, name)
+            assert any(w != r for w in writers for r in readers), f"{table}.{name} does not pass between two sides"
+            for side in writers + readers:
+                assert f"{table}.{name}" in used_by.get(side, set()), f"{table}.{name}: no module of the {side} refers to it"
+
+
+def test_no_rank_imports_the_supervisor():
+    """The ranks stand on the contract alone: nothing that mnist_ddp.py imports, directly or
+    not, is the supervisor's."""
+    found = subprocess.run([sys.executable, "-c", "import sys, mnist_ddp, ddpkit.jobs; "
+                            "print([m for m in sys.modules if m.startswith('ddpkit.supervisor')])"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert found.stdout.strip() == "[]", found.stderr
+
+
+# ----------------------------------------------------------------------------- the rules
+
+def test_port_derivation_separates_jobs_and_avoids_ephemeral_ports():
+    ports = {port_from_job_id(str(job)) for job in range(5000, 5100)}
+    assert len(ports) == 100
+    assert all(10000 <= p < 30000 for p in ports)
+    assert port_from_job_id("987654") == port_from_job_id("987654")
+
+
+def test_the_port_of_a_job_wraps_around_within_its_range():
+    assert [port_from_job_id(job) for job in ("", "0", "19999", "20000", "20001")] == [10000, 10000, 29999, 10000, 10001]
+
+
+def test_the_ranks_codes_are_read_by_rank_and_a_file_without_one_is_missing(tmp_path):
+    assert read_codes(str(tmp_path / "none")) == {}
+    for name, text in (("rank-0", "0\n"), ("rank-3", "75\n"), ("rank-1", "not a number\n"), ("rank-x", "1\n"),
+                       ("requeue", "SIGUSR1\n"), ("rank-2", "")):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "rank-10").mkdir()  # (not a file: unreadable)
+    assert read_codes(str(tmp_path)) == {0: 0, 3: 75}
+    assert JobPaths.job_dir("/r", "7_1") == "/r/exit-codes/job-7_1"
+
+
+@pytest.mark.parametrize("given, continued", [
+    (["--resume", "never", "--lr", "1e-3"], ["--lr", "1e-3"]),
+    (["--resume=never", "--interrupt-at", "40:USR1", "--epochs", "2"], ["--epochs", "2"]),
+    (["--interrupt-at=40:TERM", "--resume", "auto"], []),
+    (["--resume", "/b/c.pt"], []),          # (the run holds a checkpoint of its own)
+    (["--resume=/b/c.pt", "--max-steps", "9"], ["--max-steps", "9"]),
+])
+def test_what_a_restart_or_a_requeue_continues_with(tmp_path, given, continued):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-best.pt").write_bytes(b"")  # (a user's copy: not the run's own)
+    assert continuing_args(given, str(tmp_path)) == continued + (["--resume=/b/c.pt"] if "c.pt" in str(given)
+                                                                          else [])
+    (tmp_path / "checkpoints" / "ckpt-00000040.pt").write_bytes(b"")
+    assert continuing_args(given, str(tmp_path)) == continued
+
+
+def test_under_the_batch_file_the_advice_names_the_run_as_the_batch_file_does(tmp_path, monkeypatch):
+    """run_training.sbatch refuses --run-name after its file name: the advice that starts
+    another run names RUN_NAME there (a job submitted with --resume never into a run that
+    holds checkpoints)."""
+    from ddpkit.checkpoints import checkpoint_path, find_checkpoint
+    from ddpkit.launch import UsageError
+    checkpoint_path(tmp_path, 40).parent.mkdir()
+    checkpoint_path(tmp_path, 40).write_bytes(b"")
+    monkeypatch.delenv(JobEnv.RESUBMIT, raising=False)
+    with pytest.raises(UsageError, match="pass another --run-name to start afresh, or --resume auto to continue"):
+        find_checkpoint("never", False, {}, (), tmp_path)
+    monkeypatch.setenv(JobEnv.RESUBMIT, "SHARED_DIR=/s sbatch run_training.sbatch")
+    with pytest.raises(UsageError, match="pass another RUN_NAME to start afresh, or --resume auto to continue"):
+        find_checkpoint("never", False, {}, (), tmp_path)

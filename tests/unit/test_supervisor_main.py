@@ -1,0 +1,219 @@
+"""The job's supervisor (ddpkit/supervisor/main.py) as Python, without Slurm: the job from its
+START line to its END line with an srun that records each step, restarts and the options
+they leave out, the nodes it goes on with after a lost one; that it and what it imports
+need nothing newer than Python 3.6 (vermin); and run_training.sbatch's own one-line
+refusals (outside Slurm, no python3 on the node). tests/cluster/ runs it all on a real
+Slurm.
+
+    python -m pytest tests/unit/test_supervisor_main.py
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.contract import JobPaths
+from ddpkit.supervisor.main import Supervisor
+from ddpkit.supervisor.outcome import Outcome
+from helpers.cluster import SBATCH_FILE
+from helpers.processes import ROOT, clean_env
+from helpers.supervisor import LINE, settings
+
+BIN = Path(sys.executable).parent
+
+
+def scontrol_showing(directory: Path, line: str) -> str:
+    """A PATH whose scontrol shows `line` for any job and refuses every requeue."""
+    directory.mkdir()
+    (directory / "scontrol").write_text(f"""#!/bin/sh
+if [ "$1" = requeue ]; then echo "scontrol: error: Job has been denied requeue" >&2; exit 1; fi
+echo "{line}"
+""")
+    (directory / "scontrol").chmod(0o755)
+    return str(directory)
+
+
+def test_the_supervisor_goes_on_with_the_nodes_scontrol_shows_or_says_why_it_cannot(tmp_path, monkeypatch, capsys):
+    """After a step lost to a node: all nodes held, the same step again; 1 of 2 held with
+    MIN_NODES=1, 2 ranks on it (settled as 2 from then on); with MIN_NODES unset, a requeue,
+    which Slurm refuses here, and the outcome says so."""
+    killed = Outcome(137, True, "rank 2 3 ended without an exit code")
+    monkeypatch.setenv("PATH", scontrol_showing(tmp_path / "all", LINE + " NumNodes=2 NodeList=n[1-2]"))
+    supervisor = Supervisor(settings(tmp_path, MIN_NODES="1"), LINE, "/code/ddpkit/supervisor/main.py")
+    assert supervisor.nodes_held_now(killed) == ""
+    monkeypatch.setenv("PATH", scontrol_showing(tmp_path / "one", LINE + " NumNodes=1 NodeList=n1"))
+    assert supervisor.nodes_held_now(killed) == (": the job holds 1 of its 2 nodes (n1), so on 1 node(s) with 2 rank(s) "
+                                                 "instead of 4")
+    assert (supervisor.s.nodes, supervisor.s.ntasks) == (1, 2)
+    whole = Supervisor(settings(tmp_path), LINE, "/code/ddpkit/supervisor/main.py")
+    assert whole.nodes_held_now(killed) is None
+    assert ("requeueing Slurm job 77 after exit 137: the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 "
+            "(unset: every node of the job); it resumes") in capsys.readouterr().out
+    assert killed.why.endswith("and it was not requeued") and (whole.s.nodes, whole.s.ntasks) == (2, 4)
+    weak = Supervisor(settings(tmp_path, MIN_NODES="1"), LINE, "/code/ddpkit/supervisor/main.py")
+    os.makedirs(weak.s.job_dir, exist_ok=True)
+    Path(weak.s.job_dir, JobPaths.WORLD_SIZES).write_text("4\n")  # (--batch-size per rank: 4 ranks alone keep it)
+    assert weak.nodes_held_now(Outcome(4, True, "rank 0 lost contact")) is None
+    assert ("the job holds 1 of its 2 nodes (n1), and no count of them from MIN_NODES=1 up, at 2 rank(s) a node, keeps "
+            "the global batch; it resumes") in capsys.readouterr().out
+
+
+def test_a_step_killed_by_a_signal_is_128_plus_its_number_as_a_shell_says(tmp_path):
+    """What settle reads as killed (and restarts): Popen's -9 is the shell's 137."""
+    supervisor = Supervisor(settings(tmp_path), "", "t.py")
+    assert supervisor.run_step(["sh", "-c", "kill -KILL $$"]) == 137
+    assert supervisor.run_step(["sh", "-c", "exit 4"]) == 4
+
+
+# ----------------------------------------------------------------------------- what runs on the host
+
+def test_what_the_host_runs_needs_nothing_newer_than_python_3_6():
+    """run_training.sbatch hands over to ddpkit/supervisor/main.py with the host's python3 (the
+    ranks' PYTHON may exist only in a container), which may be 3.6 (RHEL 8): it and what it
+    imports (the whole supervisor, the contract, the sweep lines) use nothing newer, as
+    vermin reads them."""
+    assert 'exec python3 "$project/ddpkit/supervisor/main.py" supervise' in SBATCH_FILE.read_text()
+    result = subprocess.run([str(BIN / "vermin"), "--target=3.6-", "--no-tips", "--violations", "ddpkit/supervisor",
+                             "ddpkit/contract.py", "ddpkit/sweeplines.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    imports = subprocess.run(["python3", "-c", "import sys; import ddpkit.supervisor.main; "
+                              "print(sorted(m for m in sys.modules if m.startswith('ddpkit')))"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    wing = [f"ddpkit.supervisor.{path.stem}" for path in (ROOT / "ddpkit" / "supervisor").glob("[!_]*.py")]
+    assert imports.stdout.strip() == str(sorted(["ddpkit", "ddpkit.contract", "ddpkit.supervisor", "ddpkit.sweeplines",
+                                                 *wing])), imports.stderr
+
+
+def test_the_supervisor_outside_slurm_is_one_line():
+    result = subprocess.run(["python3", str(ROOT / "ddpkit" / "supervisor" / "main.py"), "supervise", "--project", str(ROOT),
+                             "--batch-file", str(SBATCH_FILE), "--environment", "python3 on the PATH", "--",
+                             "--epochs", "1", "--", "x"],
+                            env=clean_env(PATH="/usr/bin:/bin"), capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, "run_training.sbatch: error: not inside a Slurm job. Submit it: "
+                                                     "sbatch run_training.sbatch [options]\n")
+
+
+@pytest.mark.parametrize("env, error", [
+    ({}, "not inside a Slurm job. Submit it: sbatch run_training.sbatch [options]; without Slurm use: torchrun "
+         "--standalone --nproc-per-node N mnist_ddp.py [options]"),
+    ({"SLURM_JOB_ID": "5"}, "this node has no python3 on the PATH, which runs the job's supervisor "
+                            "(ddpkit/supervisor/main.py, Python 3.6 or newer); load a python module in cluster-env.sh or SETUP"),
+])
+def test_the_batch_file_without_slurm_or_without_python3_is_one_line(tmp_path, env, error):
+    """Run as bash would run it (a copy, in a project without a .venv) on a node whose PATH has
+    the shell's tools and no python3."""
+    tools, project = tmp_path / "bin", tmp_path / "project"
+    tools.mkdir()
+    for name in ("dirname", "realpath", "basename"):
+        (tools / name).symlink_to(f"/usr/bin/{name}")
+    (project / "ddpkit" / "supervisor").mkdir(parents=True)
+    shutil.copy(ROOT / "ddpkit" / "supervisor" / "main.py", project / "ddpkit" / "supervisor")
+    shutil.copy(SBATCH_FILE, project)
+    result = subprocess.run(["/bin/bash", str(project / "run_training.sbatch"), "--epochs", "1"], cwd=tmp_path,
+                            env={"PATH": str(tools), "SLURM_SUBMIT_DIR": str(tmp_path), **env},
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (2, f"run_training.sbatch: error: {error}\n")
+    assert sorted(os.listdir(tmp_path)) == ["bin", "project"]  # nothing written
+
+
+# ----------------------------------------------------------------------------- the supervisor's steps
+
+def supervised_job(tmp_path: Path, srun_exits: str, args: list, **env: str) -> subprocess.CompletedProcess:
+    """The supervisor as run_training.sbatch hands over to it, in a job of 1 node and 2 ranks
+    whose project is a copy in tmp_path/project. On its PATH, srun records each step's command
+    (a line of srun.log: the copy's mnist_ddp.py it runs, then the training options) and exits
+    with the next of `srun_exits` (137: killed, as srun reports it); scontrol
+    knows no job; PYTHON answers the supervisor's check that it imports torch."""
+    project, tools = tmp_path / "project", tmp_path / "bin"
+    if not project.exists():
+        shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+        (project / "mnist_ddp.py").write_text("v1\n")
+        tools.mkdir()
+        (tools / "srun").write_text(f"""#!/bin/bash
+while [[ $1 == -* ]]; do shift; done   # srun's own options
+shift 3                                # PYTHON, the task entry, "task"
+mode=$1; shift
+while [[ $1 == --* ]]; do shift; done  # (torchrun's own options)
+echo "$mode $(cat "$1") ${{*:2}}" >> {tmp_path}/srun.log
+set -- $(cat {tmp_path}/srun-exits)
+n=$(wc -l < {tmp_path}/srun.log)
+exit "${{!n}}"
+""")
+        (tools / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+        (tools / "python").write_text("#!/bin/sh\necho python=here torch=2\n")
+        for tool in tools.iterdir():
+            tool.chmod(0o755)
+    (tmp_path / "srun-exits").write_text(srun_exits)
+    job = {"SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "PYTHON": str(tools / "python")}
+    return subprocess.run([sys.executable, str(project / "ddpkit" / "supervisor" / "main.py"), "supervise", "--project",
+                           str(project), "--batch-file", str(project / "run_training.sbatch"), "--environment", "VENV=/v",
+                           "--", *args], cwd=tmp_path, env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **job, **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def steps_run(tmp_path: Path) -> list:
+    return (tmp_path / "srun.log").read_text().splitlines()
+
+
+FIRST_START = ["--resume", "/base/ckpt-00000016.pt", "--interrupt-at=30:USR1", "--epochs", "3", "--interrupt-at",
+               "9:TERM"]
+
+
+def test_a_restart_and_a_requeue_leave_out_the_options_of_the_first_start(tmp_path):
+    """--resume (where the run started from) and --interrupt-at (a stop rehearsed at a chosen
+    step), in either spelling, go to the first start alone: a restart of the step after a
+    killed rank, and the job requeued, go on from the run's own newest checkpoint. Before the
+    run saved one, a --resume FILE stays (else the restart would train afresh)."""
+    result = supervised_job(tmp_path, "137 0", FIRST_START)
+    assert result.returncode == 0, result.stdout + result.stderr
+    first, restart = steps_run(tmp_path)
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    options = f"--data-dir={data} --log-dir={runs} --run-name=job-77"
+    assert first == f"train v1 {options} {' '.join(FIRST_START)}"
+    assert restart == f"train v1 {options} --epochs 3 --resume=/base/ckpt-00000016.pt"  # (nothing saved yet)
+    assert "ATTEMPT 2/4 after exit 137" in result.stdout
+    (runs / "job-77" / "checkpoints").mkdir()
+    (runs / "job-77" / "checkpoints" / "ckpt-00000030.pt").write_bytes(b"")  # (as the ranks save)
+    for exits, restart_count, steps in (("137 0", "0", 2), ("0", "1", 1)):
+        (tmp_path / "srun.log").unlink()
+        again = supervised_job(tmp_path, exits, FIRST_START, SLURM_RESTART_COUNT=restart_count)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert steps_run(tmp_path)[-1] == f"train v1 {options} --epochs 3" and len(steps_run(tmp_path)) == steps
+    # Killed at every attempt, before rank 0 wrote the line that continues the run: the line
+    # after END is built from the options as given, less those of the first start.
+    (tmp_path / "srun.log").unlink()
+    gave_up = supervised_job(tmp_path, "137 137 137 137", FIRST_START, SLURM_RESTART_COUNT="1")
+    assert gave_up.returncode == 137
+    assert gave_up.stdout.endswith(f"to continue from the newest checkpoint, from {tmp_path}: SHARED_DIR={tmp_path} "
+                                   f"DATA_DIR={data} LOG_DIR={runs} RUN_NAME=job-77 PYTHON={tmp_path}/bin/python sbatch "
+                                   f"--nodes=1 --ntasks-per-node=2 {tmp_path}/project/run_training.sbatch --epochs 3\n")
+    assert "--resume" not in gave_up.stdout + gave_up.stderr
+
+
+def test_under_torchrun_the_supervisor_leaves_restarts_to_its_agents(tmp_path):
+    """torchrun's agents restart the workers MAX_RESTARTS times themselves: a step that ends
+    as a killed one would be restarted under srun is not started again on top of them."""
+    result = supervised_job(tmp_path, "137 137 137", ["--epochs", "1"], LAUNCHER="torchrun", MAX_RESTARTS="2")
+    assert len(steps_run(tmp_path)) == 1 and "ATTEMPT" not in result.stdout, result.stdout
+    assert result.returncode == 137 and "gave up after 3 attempts" in result.stdout
+    (tmp_path / "srun.log").unlink()
+    result = supervised_job(tmp_path, "137 137 137", ["--epochs", "1"], MAX_RESTARTS="2")
+    assert len(steps_run(tmp_path)) == 3 and "ATTEMPT 3/3" in result.stdout  # (srun: the supervisor restarts)
+
+
+def test_a_job_run_again_inside_salloc_takes_a_new_copy_and_a_requeue_keeps_its_own(tmp_path):
+    """Inside salloc, running the batch file again is a new start of the same job id: it runs
+    the code as it is now. A requeue of the job (SLURM_RESTART_COUNT) runs the copy it has."""
+    supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r")
+    (tmp_path / "project" / "mnist_ddp.py").write_text("v2\n")
+    again = supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r")
+    (tmp_path / "project" / "mnist_ddp.py").write_text("v3\n")
+    supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r", SLURM_RESTART_COUNT="1")
+    assert [line.split()[1] for line in steps_run(tmp_path)] == ["v1", "v2", "v2"]
+    assert "code: this job runs code that differs from job-77's" in again.stdout

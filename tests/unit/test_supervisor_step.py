@@ -1,0 +1,98 @@
+"""The supervisor's step (ddpkit/supervisor/step.py) without Slurm: the srun and torchrun step
+commands, the ranks' command line, the sbatch line that continues the run.
+
+    python -m pytest tests/unit/test_supervisor_step.py
+"""
+
+import subprocess
+
+import pytest
+
+from ddpkit.contract import job_fields
+from ddpkit.supervisor.step import resubmit_line, step_command, training_args
+from helpers.supervisor import JOB, LINE, settings
+
+
+def test_the_srun_step_starts_every_rank_through_the_task_entry(tmp_path):
+    s = settings(tmp_path, ("--epochs", "2"), NODE_DATA_DIR="$TMPDIR/data")
+    s.python = "/v/bin/python"
+    train = training_args(s, "/code/mnist_ddp.py")
+    assert step_command(s, "/code/ddpkit/supervisor/main.py", train) == [
+        "srun", "--label", "--kill-on-bad-exit=1", "/v/bin/python", "/code/ddpkit/supervisor/main.py", "task", "train",
+        "/code/mnist_ddp.py", f"--data-dir={tmp_path}/data", f"--log-dir={tmp_path}/runs", "--run-name=job-77",
+        "--node-data-dir=$TMPDIR/data", "--epochs", "2"]
+
+
+def test_the_torchrun_step_starts_one_agent_per_node_with_every_cpu_of_its_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    s = settings(tmp_path, LAUNCHER="torchrun", MAX_RESTARTS="2")
+    s.python = "python3"
+    assert step_command(s, "t.py", ["m.py"]) == [
+        "srun", "--label", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=6",
+        "python3", "t.py", "task", "torchrun", "--nnodes=2", "--nproc-per-node=2", "--max-restarts=2",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:10077", "--rdzv-id=77", "m.py"]
+    # CHECK=1 always starts srun tasks
+    assert step_command(s, "t.py", ["m.py", "--check"], "srun")[3:] == ["python3", "t.py", "task", "train", "m.py", "--check"]
+
+
+def test_a_run_name_that_starts_with_a_dash_reaches_the_ranks_as_one_word(tmp_path):
+    """RUN_NAME=-lr3 is a name by the rule; the ranks' argparse reads it as the value of
+    --run-name only in the --run-name=VALUE form (and so every directory the supervisor
+    passes). The ranks' own parser takes it, and so does their check of the name."""
+    import mnist_ddp
+    from ddpkit.options import parse_options
+    s = settings(tmp_path, RUN_NAME="-lr3", DATA_DIR="-d", NODE_DATA_DIR="-n", LOG_DIR=str(tmp_path / "-runs"))
+    args = training_args(s, "m.py")
+    assert args[1:] == ["--data-dir=-d", f"--log-dir={tmp_path}/-runs", "--run-name=-lr3", "--node-data-dir=-n"]
+    _, options = parse_options(mnist_ddp.Recipe, args[1:])
+    assert (options.run_name, options.data_dir, options.node_data_dir) == ("-lr3", "-d", "-n")
+
+
+@pytest.mark.parametrize("env, line, asked", [
+    ({}, LINE, "--nodes=2 --ntasks-per-node=2 --cpus-per-task=3 --time=00:30:00 --partition=gpu"),
+    ({"SLURM_NTASKS": "3"}, LINE, "--nodes=2 --ntasks=3 --cpus-per-task=3"),  # uneven: 2 and 1
+    ({"SLURM_NTASKS": "3", "LAUNCHER": "torchrun"}, LINE, "--nodes=2 --ntasks-per-node=2"),
+    ({"SLURM_MEM_PER_NODE": "8192"}, LINE, "--mem=8192M"),
+    ({"SLURM_MEM_PER_CPU": "1000"}, LINE, "--mem-per-cpu=1000M"),
+    ({}, LINE.replace("TimeLimit=00:30:00", "TimeLimit=UNLIMITED"), "--cpus-per-task=3 --partition=gpu"),
+    ({}, LINE.replace("TimeLimit=00:30:00", "TimeLimit=Partition_Limit"), "--cpus-per-task=3 --partition=gpu"),
+    ({}, LINE + " TresPerNode=gres:gpu:2", "--gpus-per-node=2"),
+    ({}, LINE + " TresPerNode=gres/gpu:a100:4,gres/shard:1", "--gpus-per-node=a100:4"),
+    ({}, LINE + " TresPerNode=gpu:2", "--gpus-per-node=2"),                       # older Slurm
+    ({}, LINE + " TresPerJob=gres:gpu:3", "--gpus=3"),
+    ({}, LINE + " TresPerTask=gres:gpu:1", "--gpus-per-task=1"),
+    ({"SLURM_GPUS_PER_NODE": "2"}, LINE, "--gpus-per-node=2"),                  # no TRES in the line
+    ({"SLURM_JOB_NAME": "lr-sweep", "SLURM_JOB_ACCOUNT": "ml"}, LINE, "--account=ml --job-name=lr-sweep"),
+])
+def test_the_resubmit_line_asks_for_what_this_job_got(tmp_path, env, line, asked):
+    s = settings(tmp_path, **env)
+    resubmit = resubmit_line(s, {**JOB, **env}, job_fields(line))
+    assert f" {asked} " in f" {resubmit} ", resubmit
+    assert resubmit.endswith(f" {tmp_path}/project/run_training.sbatch")
+
+
+def test_the_resubmit_line_carries_the_settings_as_given_and_is_quoted(tmp_path):
+    """Each setting is NAME= and its value quoted, which a shell reads as an assignment (a
+    quoted 'NAME=value' is a command to it): the line, run as printed by bash with an sbatch
+    that shows what it got, sets each one as given. OMP_NUM_THREADS only when the user set
+    it: the supervisor sets it from --cpus-per-task, which the line may change."""
+    shared = tmp_path / "sub dir"
+    env = {"RUN_NAME": "lr=1e-3,a", "LAUNCHER": "torchrun", "CONTAINER_CMD": "podman run img", "SETUP": "/s/env.sh",
+           "NODE_DATA_DIR": "$TMPDIR/data", "SHARED_DIR": str(shared)}
+    s = settings(tmp_path, **env)
+    resubmit = resubmit_line(s, {**JOB, **env, "OMP_NUM_THREADS": "3"}, {})  # (as the supervisor set it)
+    assert resubmit.startswith(f"SHARED_DIR='{shared}' DATA_DIR='{shared}/data' LOG_DIR='{shared}/runs' "
+                               "RUN_NAME=lr=1e-3,a SETUP=/s/env.sh NODE_DATA_DIR='$TMPDIR/data' LAUNCHER=torchrun "
+                               "CONTAINER_CMD='podman run img' sbatch --nodes=2 --ntasks-per-node=2 "), resubmit
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\nfor v in SHARED_DIR NODE_DATA_DIR CONTAINER_CMD RUN_NAME '
+                                             'OMP_NUM_THREADS; do eval "echo $v=\\${$v-unset}"; done\n')
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    shown = subprocess.run(["bash", "-c", resubmit], env={"PATH": f"{tmp_path}/bin:/usr/bin:/bin"}, capture_output=True,
+                           text=True, timeout=60)
+    assert (shown.returncode, shown.stdout.splitlines()) == (0, [
+        f"SHARED_DIR={shared}", "NODE_DATA_DIR=$TMPDIR/data", "CONTAINER_CMD=podman run img", "RUN_NAME=lr=1e-3,a",
+        "OMP_NUM_THREADS=unset"]), shown.stderr
+    given = settings(tmp_path, OMP_NUM_THREADS="2")
+    assert " OMP_NUM_THREADS=2 sbatch " in resubmit_line(given, {**JOB, "OMP_NUM_THREADS": "2"}, {})
