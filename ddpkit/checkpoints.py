@@ -313,7 +313,7 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
         resume = "auto"
     if resume == "never":
         if found:
-            raise UsageError(f"{run_dir / 'checkpoints'} holds checkpoints and --resume is never; "
+            raise UsageError(f"{run_dir / CKPT_DIR} holds checkpoints and --resume is never; "
                              f"pass another {run_name_setting()} to start afresh, or --resume auto to continue")
         warn_if_starting_over(run_dir, [])
         return None, ""
@@ -321,7 +321,7 @@ def find_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: 
     theirs = other_files(run_dir) if resume == "auto" else []
     if theirs:
         names = ", ".join(path.name for path in theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
-        print(f"note: --resume auto ignores {names} in {run_dir / 'checkpoints'}, not named as the run's checkpoints "
+        print(f"note: --resume auto ignores {names} in {run_dir / CKPT_DIR}, not named as the run's checkpoints "
               f"are ({CKPT_NAME.format(120)} for step 120); to resume from one of them, pass --resume PATH",
               file=sys.stderr, flush=True)
     for path in candidates:

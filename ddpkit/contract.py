@@ -153,7 +153,9 @@ def read_codes(job_dir: str) -> Dict[int, int]:
 
 # ----------------------------------------------------------------------------- scontrol
 
-SCONTROL_TIMEOUT = 60.0  # seconds; a slow controller must not hold the job, or keep the other ranks waiting, forever
+# Seconds: a slow controller must not hold the job, nor keep the other ranks waiting on rank 0
+# (which asks it under a plain srun) as long as --hang-after's default (60 s) or beyond.
+SCONTROL_TIMEOUT = 30.0
 
 
 def run(command: List[str], timeout: float, env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:

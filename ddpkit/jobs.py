@@ -28,6 +28,7 @@ from ddpkit.checkpoints import (
     set_aside_checkpoints,
 )
 from ddpkit.contract import (
+    CKPT_DIR,
     EXIT_BUG,
     EXIT_DIVERGED,
     EXIT_LOST_PEER,
@@ -275,7 +276,7 @@ class Job:
         later = set_aside_checkpoints(run_dir, step, keep=ckpt_path)
         if later:
             print(f"warning: set aside {len(later)} checkpoint(s) numbered from step {step} on, which this run "
-                  f"no longer continues, in {run_dir / 'checkpoints' / 'superseded'}", file=sys.stderr, flush=True)
+                  f"no longer continues, in {run_dir / CKPT_DIR / 'superseded'}", file=sys.stderr, flush=True)
         note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
         options = self.options
         self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),

@@ -281,7 +281,8 @@ def supervise(project: str, batch_file: str, environment: str, args: List[str]) 
     s = read_settings(env, project=project, batch_file=batch_file, environment=environment, args=args)
     copy = code_copy(s)
     running_copy = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) == copy
-    requeued = int(env.get("SLURM_RESTART_COUNT") or 0) > 0 and os.path.isdir(copy) and not s.check
+    # (a copy without this file was made by an older version of it: this job copies its code again)
+    requeued = int(env.get("SLURM_RESTART_COUNT") or 0) > 0 and os.path.isfile(os.path.join(copy, ENTRY)) and not s.check
     if requeued and not running_copy:  # a requeue of this job runs its copy, this supervisor included
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, os.path.join(copy, ENTRY)] + sys.argv[1:])

@@ -214,6 +214,22 @@ def test_a_job_run_again_inside_salloc_takes_a_new_copy_and_a_requeue_keeps_its_
     (tmp_path / "project" / "mnist_ddp.py").write_text("v2\n")
     again = supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r")
     (tmp_path / "project" / "mnist_ddp.py").write_text("v3\n")
-    supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r", SLURM_RESTART_COUNT="1")
+    copied = tmp_path / "runs" / "r" / "code" / "job-77" / "ddpkit" / "supervisor" / "main.py"
+    copied.write_text('print("the copy supervises", flush=True)\n' + copied.read_text())
+    requeued = supervised_job(tmp_path, "0 0 0", ["--epochs", "1"], RUN_NAME="r", SLURM_RESTART_COUNT="1")
     assert [line.split()[1] for line in steps_run(tmp_path)] == ["v1", "v2", "v2"]
+    assert "the copy supervises" in requeued.stdout and "the copy supervises" not in again.stdout
     assert "code: this job runs code that differs from job-77's" in again.stdout
+
+
+def test_the_batch_file_is_its_sbatch_lines_the_environment_and_one_hand_over():
+    """run_training.sbatch stays a file a user reads in one sitting (at most 120 lines): its
+    #SBATCH lines first, right after the shebang (Slurm reads none after the first command),
+    and its last command the hand-over to this supervisor, which holds the job's logic."""
+    lines = SBATCH_FILE.read_text().splitlines()
+    assert len(lines) <= 120, f"run_training.sbatch has {len(lines)} lines"
+    assert lines[0] == "#!/usr/bin/env bash"
+    directives = [n for n, line in enumerate(lines) if line.startswith(("#SBATCH", "##SBATCH"))]  # (## a switched-off one)
+    assert directives == list(range(1, len(directives) + 1)) and len(directives) >= 8
+    command = [line for line in lines if line and not line.startswith("#")][-2:]
+    assert command[0].startswith('exec python3 "$project/ddpkit/supervisor/main.py" supervise '), command

@@ -1,6 +1,6 @@
 """run_training.sbatch on a real Slurm 22.05 that the tests start with local-slurm.sh: the
 one node on the host's network that this group shares (two jobs at once sharing a data
-directory, SIGUSR1, requeues, resubmitting, environments, containers, the time limit,
+directory, SIGUSR1, requeues, environments, containers, the time limit,
 salloc). Also: the guard outside Slurm, the helper that prints torchrun commands (run for
 real), and bash -n plus shellcheck on every script. Two nodes in network namespaces, and the
 clusters a test starts for itself: tests/cluster/own_clusters/test_slurm_on_own_clusters.py.
@@ -148,42 +148,6 @@ def test_printed_torchrun_commands_run(tmp_path):
     outputs = [m.communicate(timeout=300)[0] for m in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs
     assert read_metrics(tmp_path / "runs" / "helper")[0]["step"] == 4
-
-
-def test_resubmitting_with_the_printed_line_continues_the_run(one_node, tmp_path):
-    """A job that may not requeue itself stops on USR1 with exit 75; rank 0's "to continue"
-    line and the line after END are the same sbatch line, which keeps LOG_DIR, the job's
-    --mem and --time and the options, and leaves out --interrupt-at-like aids. That line,
-    run verbatim, resumes the same run in the same LOG_DIR."""
-    log_dir = tmp_path / "elsewhere"
-    client = one_node.sbatch(tmp_path, ["--no-requeue", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                                        "--mem=1G", "--time=7"],
-                             ["--batch-size", "64", "--epochs", "3", "--resume", "never"], RUN_NAME="my-run",
-                             LOG_DIR=str(log_dir))
-    job_id = wait_for_epoch_1(client, tmp_path)
-    subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
-                   env=one_node.env, check=True, timeout=60)
-    _, out = finish(client, tmp_path, code=75)
-    assert f"Slurm job {job_id} may not be requeued" in out and f"job={job_id} exit=75" in out
-    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (.*)$", out, re.M)
-    assert line and line.group(1) == str(tmp_path), out[-3000:]
-    command = line.group(2)
-    assert f"0: to continue: {command}\n" in out  # rank 0 printed the same line when it stopped
-    words = shlex.split(command)
-    assert f"LOG_DIR={log_dir}" in words and "RUN_NAME=my-run" in words
-    assert "--mem=1024M" in words and "--time=00:07:00" in words
-    assert words[words.index(str(SBATCH_FILE)):] == [str(SBATCH_FILE), "--data-dir", str(tmp_path / "data"), "--epochs", "3",
-                                                     "--batch-size", "64"]  # no --resume
-    # Verbatim, through a shell, in the submit directory it names (`--wait` only makes the test wait).
-    command = command.replace(" sbatch ", " sbatch --wait ", 1)
-    again = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "bash", "-c", command], cwd=line.group(1),
-                           env={**one_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable},
-                           capture_output=True, text=True, timeout=400)
-    second = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
-    text = (tmp_path / f"mnist-ddp-{second}.out").read_text()
-    assert again.returncode == 0, text[-3000:]
-    assert re.search(rf"^0: resumed from {log_dir}/my-run/checkpoints/ckpt-\d+\.pt: epoch [12],", text, re.M)
-    assert [m["epoch"] for m in read_metrics(log_dir / "my-run")] == [1, 2, 3]
 
 
 def test_first_start_options_stay_with_the_first_start_and_the_line_after_end_runs_as_printed(one_node, tmp_path):

@@ -3,7 +3,8 @@ namespaces (1 task on each, the torchrun mode, SIGUSR1 with torchrun, torchrun's
 surviving SIGUSR1, `CHECK=1` healthy and with a firewall between the nodes), two wider nodes
 (the line after END asks for the same uneven task count), and single-node clusters a test
 starts for itself: task/affinity (each rank gets the CPUs it asked for), a node that
-advertises 18 CPUs (the site's SIGNAL in every form), a node with GPUs in gres.conf (the
+advertises 18 CPUs (the site's SIGNAL in every form; the printed line that continues a job
+that may not requeue, run verbatim), a node with GPUs in gres.conf (the
 line after END keeps the GPUs however they were asked for). The shared one-node cluster's:
 tests/cluster/one_node/test_slurm.py.
 
@@ -18,7 +19,15 @@ import time
 
 import pytest
 
-from helpers.cluster import LOCAL_SLURM, Cluster, finish, on_host_network, usr1_saves_requeues_and_resumes, wait_for_epoch_1
+from helpers.cluster import (
+    LOCAL_SLURM,
+    SBATCH_FILE,
+    Cluster,
+    finish,
+    on_host_network,
+    usr1_saves_requeues_and_resumes,
+    wait_for_epoch_1,
+)
 from helpers.images import read_metrics
 from helpers.processes import ROOT, clean_env
 
@@ -95,6 +104,42 @@ def roomy_node(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("slurm-roomy"), 1, on_host_network("roomy_node", LOCAL_SLURM_PORT="16857", LOCAL_SLURM_CPUS="18"))
     yield cluster
     cluster.stop()
+
+
+def test_resubmitting_with_the_printed_line_continues_the_run(roomy_node, tmp_path):
+    """A job that may not requeue itself stops on USR1 with exit 75; rank 0's "to continue"
+    line and the line after END are the same sbatch line, which keeps LOG_DIR, the job's
+    --mem and --time and the options, and leaves out --interrupt-at-like aids. That line,
+    run verbatim, resumes the same run in the same LOG_DIR."""
+    log_dir = tmp_path / "elsewhere"
+    client = roomy_node.sbatch(tmp_path, ["--no-requeue", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                                        "--mem=1G", "--time=7"],
+                             ["--batch-size", "64", "--epochs", "3", "--resume", "never"], RUN_NAME="my-run",
+                             LOG_DIR=str(log_dir))
+    job_id = wait_for_epoch_1(client, tmp_path)
+    subprocess.run([str(LOCAL_SLURM), "exec", str(roomy_node.dir), "scancel", "--signal=USR1", job_id],
+                   env=roomy_node.env, check=True, timeout=60)
+    _, out = finish(client, tmp_path, code=75)
+    assert f"Slurm job {job_id} may not be requeued" in out and f"job={job_id} exit=75" in out
+    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (.*)$", out, re.M)
+    assert line and line.group(1) == str(tmp_path), out[-3000:]
+    command = line.group(2)
+    assert f"0: to continue: {command}\n" in out  # rank 0 printed the same line when it stopped
+    words = shlex.split(command)
+    assert f"LOG_DIR={log_dir}" in words and "RUN_NAME=my-run" in words
+    assert "--mem=1024M" in words and "--time=00:07:00" in words
+    assert words[words.index(str(SBATCH_FILE)):] == [str(SBATCH_FILE), "--data-dir", str(tmp_path / "data"), "--epochs", "3",
+                                                     "--batch-size", "64"]  # no --resume
+    # Verbatim, through a shell, in the submit directory it names (`--wait` only makes the test wait).
+    command = command.replace(" sbatch ", " sbatch --wait ", 1)
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(roomy_node.dir), "bash", "-c", command], cwd=line.group(1),
+                           env={**roomy_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable},
+                           capture_output=True, text=True, timeout=400)
+    second = re.search(r"Submitted batch job (\d+)", again.stdout).group(1)
+    text = (tmp_path / f"mnist-ddp-{second}.out").read_text()
+    assert again.returncode == 0, text[-3000:]
+    assert re.search(rf"^0: resumed from {log_dir}/my-run/checkpoints/ckpt-\d+\.pt: epoch [12],", text, re.M)
+    assert [m["epoch"] for m in read_metrics(log_dir / "my-run")] == [1, 2, 3]
 
 
 SIGNAL_CASES = [  # (launcher, the signal sent, SIGNAL, sent to the batch shell alone)
