@@ -1,6 +1,8 @@
 """Agreement and recovery: what the ranks agree on after each step (a stop signal, a loss
 that is not finite, a checkpoint due by the clock), and how a failure is told apart and
-named: a lost peer (exit 4, which a restart fixes), a storage problem the user fixes (exit 2)."""
+named: a lost peer (exit 4, which a restart fixes), a fault of this rank's node (a CUDA or
+NCCL error of its GPU: exit 5, which a restart fixes, elsewhere if need be), a storage
+problem the user fixes (exit 2)."""
 
 import errno
 import math
@@ -140,6 +142,29 @@ def is_lost_peer(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and re.search(
         r"connection (closed|reset) by peer|timed out|timeout caused|broken pipe|connection refused|gloo/transport",
         str(err), re.IGNORECASE) is not None
+
+
+# CUDA's errors that tell of the GPU, its driver or its node rather than of the run's code
+# (cudaError_t's texts, as torch raises them: "CUDA error: <text>"). A device-side assert, an
+# out-of-memory error or a misaligned address is the run's own: a bug (1), as before.
+NODE_CUDA_ERRORS = re.compile(r"CUDA error: (uncorrectable ECC error encountered|uncorrectable NVLink error|unspecified "
+                              r"launch failure|an illegal memory access was encountered|hardware stack error|"
+                              r"CUDA-capable device\(s\) is/are busy or unavailable|initialization error|unknown error|"
+                              r"the launch timed out and was terminated)")
+# NCCL's one: a CUDA call inside NCCL failed on this rank's GPU (ncclUnhandledCudaError). Its
+# others are a lost peer (ncclRemoteError, a timeout: exit 4) or a bug (an invalid argument or usage).
+NODE_NCCL_ERROR = re.compile(r"unhandled cuda error|ncclUnhandledCudaError")
+
+
+def node_fault(err: BaseException) -> str:
+    """The class of a CUDA or NCCL error that tells of this rank's node (its GPU, its driver),
+    e.g. "CUDA error: uncorrectable ECC error encountered"; "" for any other error."""
+    if not isinstance(err, RuntimeError):  # (torch's AcceleratorError and c10d's DistBackendError are ones)
+        return ""
+    cuda = NODE_CUDA_ERRORS.search(str(err))
+    if cuda:
+        return "CUDA error: " + cuda.group(1)
+    return "NCCL error: unhandled cuda error" if NODE_NCCL_ERROR.search(str(err)) else ""
 
 
 def lost_peer_message(err: BaseException, progress: Progress) -> str:

@@ -46,6 +46,8 @@ def test_the_verdict_names_each_rank_behind_and_how_it_was_seen():
     assert line == ("hang after step 6: rank 1 on a is stopped (state T, ...); rank 2 on b is at "
                     "ddpkit/imagesets.py:9 in batches; rank 3 on c: no answer; rank(s) 0 wait for it in the agreement "
                     "for 12 s; every rank's stacks: /r/hangs/x")
+    # (the ranks it names, which the job's supervisor pins the failure on by their nodes)
+    assert [peer.rank for peer in hangs.not_waiting(summaries, peers)] == [1, 2, 3]
 
 
 def test_innermost_frame_of_the_recipe_or_the_kit_from_a_real_faulthandler_dump(tmp_path):

@@ -1,0 +1,108 @@
+"""Which node a failure is pinned on, and the nodes a job leaves out. Python 3.6, standard
+library only.
+
+After a step that a restart may fix (settle's retry), the supervisor pins the failure on the
+node that the ranks' files name (failure_pins): the node of a rank that a hang report named
+as the one the others wait for (JobPaths.HUNG), of a rank killed by a signal (settle's
+killed ranks, by the nodes rank 0 listed: JobPaths.NODES), of a rank whose node failed it (a
+CUDA or NCCL error of its GPU: JobPaths.NODE_FAULT); and a node the job lost (the supervisor
+sees the job's NodeList shrink). A lost peer (4) pins nothing by itself: every node that
+lost the peer records it. Nor does a bug, a usage problem or a divergence (1, 2, 3): the run
+fails so on any node. When one kind of failure names every node of the step, nothing tells
+the nodes apart, and it pins none (so a job on one node never leaves its node out).
+
+The job keeps its pins, across its restarts and requeues, in a file beside its folder
+(JobPaths.node_failures: the folder is cleared at each start); a node pinned LEAVE_OUT_AFTER
+times is left out from then on."""
+
+import os
+import re
+from typing import Dict, List, Sequence
+
+from ddpkit.contract import JobPaths
+from ddpkit.supervisor.outcome import Outcome
+
+LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out
+
+
+def read_lines(path: str) -> List[str]:
+    """The lines of a file the ranks or the supervisor left, [] when there is none."""
+    try:
+        with open(path) as file:
+            return [line.strip() for line in file if line.strip()]
+    except OSError:
+        return []
+
+
+def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[str, str]:
+    """The nodes this step's failure is pinned on, each with why, from the files the ranks left
+    in the job's folder; `step` is the step's nodes, should the ranks not have met (rank 0
+    lists them by rank once they did: JobPaths.NODES). A kind of failure that names every node
+    of the step pins none."""
+    by_rank = read_lines(os.path.join(job_dir, JobPaths.NODES))
+    hung, killed, faults = {}, {}, {}  # type: Dict[str, List[str]], Dict[str, List[str]], Dict[str, List[str]]
+    for line in read_lines(os.path.join(job_dir, JobPaths.HUNG)):
+        rank, _, node = line.partition(" ")
+        hung.setdefault(node, []).append(rank)
+    for rank in outcome.killed:
+        if rank < len(by_rank):
+            killed.setdefault(by_rank[rank], []).append(str(rank))
+    for name in sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []:
+        match = re.fullmatch(JobPaths.NODE_FAULT.format(r"(\d+)"), name)
+        lines = read_lines(os.path.join(job_dir, name)) if match else []
+        if lines:
+            node, _, fault = lines[0].partition(" ")
+            faults.setdefault(node, []).append(f"rank {match.group(1)} on it failed with {fault}")
+    kinds = [{node: f"a hang report named rank {' '.join(ranks)} on it" for node, ranks in hung.items()},
+             {node: f"rank {' '.join(ranks)} on it was killed by a signal" for node, ranks in killed.items()},
+             {node: " and ".join(whys) for node, whys in faults.items()}]
+    every = set(by_rank or step)
+    pins = {}  # type: Dict[str, str]
+    for kind in kinds:
+        if every and every <= set(kind):  # (every node of the step: nothing tells them apart)
+            continue
+        for node, why in kind.items():
+            pins[node] = f"{pins[node]} and {why}" if node in pins else why
+    return pins
+
+
+def read_pins(path: str) -> Dict[str, List[str]]:
+    """The failures pinned on each node so far (JobPaths.node_failures: a line each, the node,
+    a tab, the failure and why), in the order they came."""
+    pins = {}  # type: Dict[str, List[str]]
+    for line in read_lines(path):
+        node, _, why = line.partition("\t")
+        pins.setdefault(node, []).append(why)
+    return pins
+
+
+def record_pins(path: str, pins: Dict[str, str], failure: str) -> Dict[str, List[str]]:
+    """Add one failure's pins (node -> why) to the job's record, as "<failure>: <why>", and
+    return every node's pins so far."""
+    if pins:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as file:
+            file.write("".join(f"{node}\t{failure}: {why}\n" for node, why in pins.items()))
+    return read_pins(path)
+
+
+def left_out(pins: Dict[str, List[str]]) -> List[str]:
+    """The nodes the job leaves out: those LEAVE_OUT_AFTER failures or more were pinned on."""
+    return [node for node, failures in pins.items() if len(failures) >= LEAVE_OUT_AFTER]
+
+
+def leave_out_line(node: str, failures: List[str]) -> str:
+    """The one line that says a node is left out, and why."""
+    return f"leaving {node} out of this job from now on: {len(failures)} failures were pinned on it ({'; '.join(failures)})"
+
+
+def with_excluded(excluded: str, nodes: Sequence[str]) -> str:
+    """A job's ExcNodeList (as scontrol shows it: "(null)" for none) with `nodes` added, as a
+    list that scontrol update and sbatch --exclude read."""
+    given = [] if excluded in ("", "(null)") else re.findall(r"(?:[^,\[]|\[[^\]]*\])+", excluded)  # (node[1-3],gpu4)
+    return ",".join(given + [node for node in nodes if node not in given])
+
+
+def of_one_step(name: str) -> bool:
+    """Whether a file of the job's folder tells of one step alone, cleared before the next."""
+    return name in (JobPaths.NODES, JobPaths.HUNG) or re.fullmatch(JobPaths.NODE_FAULT.format(r"\d+"), name) is not None
