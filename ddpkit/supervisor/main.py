@@ -56,13 +56,16 @@ from ddpkit.contract import (
     unix_time,
 )
 from ddpkit.supervisor.nodes import (
+    Pin,
     failure_pins,
     leave_out_line,
     left_out,
     of_one_step,
+    ranks_on_two_nodes,
     read_lines,
     read_pins,
     record_pins,
+    run_failure_line,
     with_excluded,
 )
 from ddpkit.supervisor.outcome import Outcome, nodes_to_go_on_with, read_world_sizes, settle
@@ -102,6 +105,9 @@ class Supervisor:
         self.resubmit = ""  # the beginning of the sbatch line that continues the run (resubmit_line)
         self.handed_over = dict(os.environ)  # the job's environment before the supervisor sets any (for CHAIN)
         self.not_requeued = False  # a stop asked for a requeue, and Slurm did not make it
+        # This job started again with nodes left out (a requeue that left them out): it is not
+        # requeued a second time to leave a node out (each round might leave out another).
+        self.left_out_at_start = False
 
     def start(self) -> None:
         """The ranks' environment, the START and PREFLIGHT lines, the GPU monitor."""
@@ -193,6 +199,8 @@ class Supervisor:
         if start and self.end_time:
             env[JobEnv.JOB_TIMES] = f"{start} {self.end_time}"
         env[JobEnv.RESUBMIT] = self.resubmit = resubmit_line(s, env, self.fields)
+        if int(env.get("SLURM_RESTART_COUNT") or 0) > 0:  # (the world sizes the job's last start left, before they go)
+            self.leave_out_from_the_start(read_world_sizes(s.job_dir, s.ntasks))
         shutil.rmtree(s.job_dir, ignore_errors=True)
         if chained_job(s.run_dir) == s.job:  # this job, chained to continue the run, runs now: no longer queued
             try:
@@ -244,14 +252,21 @@ class Supervisor:
         nodes = self.nodes_of(fields.get("NodeList", "")) if bad else []
         bad_held = [node for node in nodes if node in bad and node not in s.excluded]
         usable = [node for node in nodes if node not in bad]
-        if bad_held:
+        leaves_out = len(usable) < len(nodes)  # (a node left out is held: count only the others)
+        if leaves_out:
             count = len(usable)
         if count >= s.nodes and not bad_held:
             return ""
         go_on = nodes_to_go_on_with(count, s.min_nodes, s.tasks_per_node, read_world_sizes(s.job_dir, s.ntasks))
         lost = f"the job holds {held.group()} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
-        if bad_held:
-            lost += f", {count} without the {'node' if len(bad_held) == 1 else 'nodes'} it leaves out"
+        if leaves_out:
+            out = len(nodes) - len(usable)
+            lost += f", {count} without the {'node' if out == 1 else 'nodes'} it leaves out"
+        if not go_on and bad_held and self.left_out_at_start:  # (a second requeue might leave out a healthy node)
+            if int(held.group()) >= s.nodes:
+                return f" with {','.join(bad_held)} (not requeued a second time to leave a node out)"
+            outcome.why += f"; then {lost}, and it was requeued once already to leave a node out"
+            return None
         if not go_on:
             unset = "" if s.min_nodes_set else " (unset: every node of the job)"
             per_node = f"at {s.tasks_per_node} rank(s) a node"
@@ -262,7 +277,7 @@ class Supervisor:
             outcome.why += f"; then {lost}, {why}, and it was not requeued"
             return None
         s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
-        if bad_held:  # (srun then runs the step on exactly the nodes chosen, rank 0 on the first)
+        if leaves_out:  # (srun then runs the step on exactly the nodes chosen, rank 0 on the first)
             chosen = usable[:go_on]
             s.excluded = [node for node in nodes if node not in chosen]
             if chosen[0] != nodes[0]:  # (the rendezvous was on a node left out)
@@ -271,6 +286,35 @@ class Supervisor:
         return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s){instead}"
 
     # ----------------------------------------------------------------------------- the nodes left out
+
+    def leave_out_from_the_start(self, world_sizes: List[int]) -> None:
+        """A requeued job leaves out the nodes its record leaves out from its first step: srun
+        excludes those it holds again (Slurm could not keep it off them), on fewer nodes
+        where MIN_NODES and the batch allow; else it runs on them as before, and gives up after
+        MAX_RESTARTS, not requeued a second time to leave them out."""
+        s, bad = self.s, self.left_out()
+        if not bad:
+            return
+        self.left_out_at_start = True
+        nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
+        usable = [node for node in nodes if node not in bad]
+        if len(usable) == len(nodes):
+            return
+        held = ",".join(node for node in nodes if node in bad)
+        go_on = nodes_to_go_on_with(min(len(usable), s.nodes), s.min_nodes, s.tasks_per_node, world_sizes)
+        if not go_on:
+            print(f"the job holds {held} again, which it leaves out, and too few nodes without it (MIN_NODES="
+                  f"{s.min_nodes}): it runs on them, and is not requeued again to leave them out", flush=True)
+            return
+        ntasks = s.ntasks
+        s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
+        chosen = usable[:go_on]
+        s.excluded = [node for node in nodes if node not in chosen]
+        if chosen[0] != nodes[0]:  # (the rendezvous was on a node left out)
+            os.environ["MASTER_ADDR"] = master_address({"SLURM_JOB_NODELIST": ",".join(chosen)})
+        instead = f" instead of {ntasks}" if s.ntasks != ntasks else ""
+        print(f"the job holds {held} again, which it leaves out: its step runs on {go_on} node(s) with {s.ntasks} "
+              f"rank(s){instead}, without it", flush=True)
 
     def node_record(self) -> str:
         return JobPaths.node_failures(self.s.run_dir, self.s.job)
@@ -299,17 +343,25 @@ class Supervisor:
             step = step[:s.nodes]
         pins = failure_pins(s.job_dir, outcome, step)
         held = self.nodes_of(fields.get("NodeList", "")) if fields else []
+        # (only the job's own nodes: a rank that could not name its node, as in a container
+        # without SLURMD_NODENAME, names another, which the job never held nor lost)
+        job_nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
+        pins = {node: pin for node, pin in pins.items() if node in job_nodes or not job_nodes}
         for node in step:
-            if held and node not in held:
-                pins[node] = "the job lost it (Slurm took it from the job)"
+            if held and node not in held and node in job_nodes:
+                pins[node] = Pin("", "the job lost it (Slurm took it from the job)")
         requeues = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         failure = f"attempt {attempt}{f' after {requeues} requeue(s)' if requeues else ''}, exit {outcome.status}"
-        before = self.left_out()
+        before, record = self.left_out(), read_pins(self.node_record())
         try:
             pinned = record_pins(self.node_record(), pins, failure)
         except OSError as err:
             print(f"could not record which node the failure was pinned on ({err})", flush=True)
             return fields
+        wandering = ranks_on_two_nodes(record)
+        for rank, nodes in ranks_on_two_nodes(pinned).items():
+            if rank not in wandering:
+                print(run_failure_line(rank, nodes), flush=True)
         new = [node for node in left_out(pinned) if node not in before]
         for node in new:
             print(leave_out_line(node, pinned[node]), flush=True)

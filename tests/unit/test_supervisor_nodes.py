@@ -19,7 +19,16 @@ from pathlib import Path
 import pytest
 
 from ddpkit.contract import JobEnv, JobPaths
-from ddpkit.supervisor.nodes import failure_pins, leave_out_line, left_out, read_pins, record_pins, with_excluded
+from ddpkit.supervisor.nodes import (
+    Pin,
+    failure_pins,
+    leave_out_line,
+    left_out,
+    ranks_on_two_nodes,
+    read_pins,
+    record_pins,
+    with_excluded,
+)
 from ddpkit.supervisor.outcome import Outcome
 from helpers.processes import ROOT, clean_env
 from helpers.supervisor import LINE
@@ -38,14 +47,14 @@ def leave(job_dir: Path, files: dict) -> Path:
 
 @pytest.mark.parametrize("files, outcome, pins", [
     # A hang report names rank 1, on n2, as the one the others wait for.
-    ({JobPaths.NODES: "n1\nn2\nn3\n", JobPaths.HUNG: "1 n2\n"}, LOST_PEER, {"n2": "a hang report named rank 1 on it"}),
+    ({JobPaths.NODES: "n1\nn2\nn3\n", JobPaths.HUNG: "1 n2\n"}, LOST_PEER, {"n2": Pin("1", "a hang report named rank 1 on it")}),
     # A rank killed by a signal, and the report of the hang that came before it: one pin.
     ({JobPaths.NODES: "n1\nn2\nn3\n", JobPaths.HUNG: "1 n2\n"}, Outcome(137, True, "", killed=(1,)),
-     {"n2": "a hang report named rank 1 on it and rank 1 on it was killed by a signal"}),
+     {"n2": Pin("1", "a hang report named rank 1 on it and rank 1 on it was killed by a signal")}),
     # A rank's node failed it (its CUDA error), before the ranks met (no node list).
     ({JobPaths.NODE_FAULT.format(2): "n3 CUDA error: uncorrectable ECC error encountered\n"},
      Outcome(5, True, "rank 2 failed on a fault of its node"),
-     {"n3": "rank 2 on it failed with CUDA error: uncorrectable ECC error encountered"}),
+     {"n3": Pin("2", "rank 2 on it failed with CUDA error: uncorrectable ECC error encountered")}),
     # A lost peer alone: every node that lost it records 4; none of them is pinned.
     ({JobPaths.NODES: "n1\nn2\nn3\n"}, LOST_PEER, {}),
     # Ranks killed on every node of the step (srun ended them all): nothing tells them apart.
@@ -63,8 +72,9 @@ def test_which_node_a_failure_is_pinned_on(tmp_path, files, outcome, pins):
 def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder(tmp_path):
     record = str(tmp_path / "runs" / "r" / JobPaths.JOB_DIRS / JobPaths.NODE_FAILURES.format("77"))
     assert read_pins(record) == {} and left_out(read_pins(record)) == []
-    record_pins(record, {"n2": "a hang report named rank 1 on it"}, "attempt 1, exit 4")
-    pins = record_pins(record, {"n2": "a hang report named rank 1 on it", "n3": "rank 2 on it was killed by a signal"},
+    record_pins(record, {"n2": Pin("1", "a hang report named rank 1 on it")}, "attempt 1, exit 4")
+    pins = record_pins(record, {"n2": Pin("1", "a hang report named rank 1 on it"),
+                                "n3": Pin("2", "rank 2 on it was killed by a signal")},
                        "attempt 2, exit 137")
     assert left_out(pins) == ["n2"] and len(pins["n3"]) == 1
     assert leave_out_line("n2", pins["n2"]) == (
@@ -193,7 +203,7 @@ def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_li
     assert requeued.returncode == 0 and "leaving" not in requeued.stdout, requeued.stdout + requeued.stderr
     assert " --exclude=n2 " in (tmp_path / "line").read_text()
     pins = read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
-    assert pins["n3"] == ["attempt 1 after 1 requeue(s), exit 4: a hang report named rank 1 on it"]
+    assert pins["n3"] == [Pin("1", "attempt 1 after 1 requeue(s), exit 4: a hang report named rank 1 on it")]
 
 
 def test_what_a_bug_a_divergence_or_a_lost_peer_alone_leaves_pins_nothing(tmp_path):
@@ -205,3 +215,95 @@ def test_what_a_bug_a_divergence_or_a_lost_peer_alone_leaves_pins_nothing(tmp_pa
     lost = supervised_job(tmp_path, [step(nodes, {0: 4, 1: 4}, 4)] * 2, nodes, MAX_RESTARTS="1")
     assert lost.returncode == 4 and "ATTEMPT 2/2" in lost.stdout and "leaving" not in lost.stdout
     assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+
+
+# ----------------------------------------------------------------------------- what caps the nodes left out
+
+def test_a_rank_pinned_on_two_nodes_is_the_runs_own_failure_and_leaves_no_node_out(tmp_path):
+    """Rank 0 killed twice on n1 (out of memory, say) leaves n1 out; killed again on n2, where it
+    runs next, the failure follows the rank: neither node is left out for it. A node the job
+    lost (no rank) still counts."""
+    record = str(tmp_path / JobPaths.NODE_FAILURES.format("77"))
+    killed = Pin("0", "rank 0 on it was killed by a signal")
+    record_pins(record, {"n1": killed}, "attempt 1, exit 137")
+    assert left_out(record_pins(record, {"n1": killed}, "attempt 2, exit 137")) == ["n1"]
+    pins = record_pins(record, {"n2": killed, "n3": Pin("", "the job lost it")}, "attempt 1 after 1 requeue(s), exit 137")
+    assert ranks_on_two_nodes(pins) == {"0": ["n1", "n2"]} and left_out(pins) == []
+    pins = record_pins(record, {"n3": Pin("", "the job lost it")}, "attempt 2 after 1 requeue(s), exit 137")
+    assert left_out(pins) == ["n3"]
+
+
+def test_a_rank_that_fails_on_every_node_it_runs_on_leaves_none_out_and_says_so(tmp_path):
+    """A hang report names rank 0 each time (the run's own deadlock): on n1 at two starts, n1 is
+    left out and the step goes on without it, rank 0 now on n2; named there too, the failure
+    is the run's, one line says so, and no second node is left out."""
+    nodes = ["n1", "n2", "n3"]
+    on_n1 = step(nodes, {1: 4, 2: 4}, 4, hung="0 n1", world_sizes="1 2 3")
+    on_n2 = step(["n2", "n3"], {1: 4}, 4, hung="0 n2", world_sizes="1 2 3")
+    result = supervised_job(tmp_path, [on_n1, on_n1, on_n2, on_n2], nodes, MIN_NODES="1")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert printed(result, "leaving") == [line for line in printed(result, "leaving n1 ")]
+    assert printed(result, "rank 0 failed") == [
+        "rank 0 failed on n1 and on n2: the failure follows the rank, the run's own, and no node is left out for it"]
+    assert (tmp_path / "srun.log").read_text().splitlines()[2:] == ["--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 "
+                                                                    "--exclude=n1"] * 2
+    assert "gave up after 4 attempts" in printed(result, "END")[0]
+
+
+def test_a_job_is_requeued_once_to_leave_a_node_out_never_twice(tmp_path):
+    """A job requeued to leave n2 out (its record says so), then n3 pinned twice, with too few
+    nodes left without it: not requeued again (each round might leave out another healthy
+    node); it starts again as before until MAX_RESTARTS, then its END line and the line that
+    continues the run, which excludes both."""
+    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record.parent.mkdir(parents=True)
+    record.write_text("n2\t\tattempt 1, exit 137: the job lost it (Slurm took it from the job)\n" * 2)
+    (tmp_path / "requeue-accepted").touch()
+    hang = step(["n1", "n3"], {0: 4}, 4, hung="1 n3")
+    result = supervised_job(tmp_path, [hang] * 3, ["n1", "n3"], excluded="n2", SLURM_RESTART_COUNT="1",
+                            MAX_RESTARTS="2")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "requeue 77" not in (tmp_path / "scontrol.log").read_text()
+    assert printed(result, "ATTEMPT 3/3")[0].endswith(" with n3 (not requeued a second time to leave a node out); it "
+                                                      "resumes from the newest checkpoint")
+    assert "gave up after 3 attempts" in printed(result, "END")[0]
+    assert " --exclude=n2,n3 " in result.stdout.splitlines()[-1]
+
+
+def test_a_requeued_job_leaves_its_nodes_out_from_its_first_step(tmp_path):
+    """Requeued, the job holds n2 again (Slurm could not keep it off): with MIN_NODES=2 its first
+    step runs without n2; with MIN_NODES unset (every node), it runs on n2 as before, and a
+    failure pinned there requeues it no more."""
+    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record.parent.mkdir(parents=True)
+    record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2)
+    (record.parent / "job-77").mkdir()
+    (record.parent / "job-77" / JobPaths.WORLD_SIZES).write_text("1 2 3\n")  # (the job's last start left them)
+    nodes = ["n1", "n2", "n3"]
+    result = supervised_job(tmp_path, [step(["n1", "n3"], {0: 0, 1: 0}, 0)], nodes, SLURM_RESTART_COUNT="1",
+                            MIN_NODES="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines() == ["--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 "
+                                                                "--exclude=n2"]
+    assert printed(result, "the job holds n2 again") == [
+        "the job holds n2 again, which it leaves out: its step runs on 2 node(s) with 2 rank(s) instead of 3, without it"]
+    (tmp_path / "requeue-accepted").touch()
+    hang = step(["n1", "n2"], {0: 4}, 4, hung="1 n2")
+    result = supervised_job(tmp_path, [hang] * 2, ["n1", "n2"], SLURM_RESTART_COUNT="1", MAX_RESTARTS="1")
+    assert result.returncode == 4 and "gave up after 2 attempts" in printed(result, "END")[0], result.stdout
+    assert "requeue 77" not in (tmp_path / "scontrol.log").read_text()
+    assert (tmp_path / "srun.log").read_text().splitlines() == ["--label --kill-on-bad-exit=1"] * 2
+
+
+def test_after_a_node_left_out_a_lost_node_leaves_the_step_on_the_usable_nodes_alone(tmp_path):
+    """n2 left out (the step on n1 and n3), then n3 lost: the job holds n1 and n2, of which n1
+    alone is usable: the step goes on on 1 node, still without n2."""
+    nodes = ["n1", "n2", "n3"]
+    hang = step(nodes, {0: 4, 2: 4}, 137, hung="1 n2", world_sizes="1 2 3")
+    lose_n3 = step(["n1", "n3"], {0: 4}, 137, world_sizes="1 2 3",
+                   then=f"echo '{LINE} NumNodes=2 NodeList=n1,n2 ExcNodeList=(null)' > {tmp_path}/shows")
+    result = supervised_job(tmp_path, [hang, hang, lose_n3, step(["n1"], {0: 0}, 0)], nodes, MIN_NODES="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines()[2:] == [
+        "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --exclude=n2",
+        "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
