@@ -60,8 +60,8 @@ Exit codes
    4  lost contact with another rank (it died, or hung past --dist-timeout); the line
       names the operation and the step. Nothing saved is lost: run it again, as
       run_training.sbatch does by itself (MAX_RESTARTS)
-   5  this rank's node failed it (a CUDA or NCCL error of its GPU: ECC, a launch failure,
-      ...); run it again, as run_training.sbatch does, which leaves out a node that two
+   5  a fault of this rank's node's GPU (ECC, NVLink, a busy device), from CUDA or NCCL;
+      run it again, as run_training.sbatch does, which leaves out a node that two
       failures were pinned on
   75  stopped by SIGUSR1/SIGTERM/SIGHUP/Ctrl-C, or ahead of the time limit, after saving a
       checkpoint; the line says how to continue

@@ -28,7 +28,7 @@ EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_LOST_PEER = 4  # another rank died or hung: a failure that running again fixes
-EXIT_NODE_FAULT = 5  # this rank's node failed it (a CUDA or NCCL error of its GPU): running again fixes it, elsewhere
+EXIT_NODE_FAULT = 5  # a fault of this rank's node's GPU (ECC, NVLink, a busy device): running again fixes it, elsewhere
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
 # The codes after which nothing starts the ranks again (the supervisor's restarts, torchrun's):
 # a restart would repeat a bug, a usage problem or a divergence, and a stop asked to stop.

@@ -5,7 +5,7 @@ After a step that a restart may fix (settle's retry), the supervisor pins the fa
 node that the ranks' files name (failure_pins): the node of a rank that a hang report named
 as the one the others wait for (JobPaths.HUNG), of a rank killed by a signal (settle's
 killed ranks, by the nodes rank 0 listed: JobPaths.NODES), of a rank whose node failed it (a
-CUDA or NCCL error of its GPU: JobPaths.NODE_FAULT); and a node the job lost (the supervisor
+fault of its GPU, ECC, NVLink or a busy device: JobPaths.NODE_FAULT); and a node the job lost (the supervisor
 sees the job's NodeList shrink). A lost peer (4) pins nothing by itself: every node that
 lost the peer records it. Nor does a bug, a usage problem or a divergence (1, 2, 3): the run
 fails so on any node. When one kind of failure names every node of the step, nothing tells

@@ -29,7 +29,7 @@ def settle(srun_status: int, codes: Mapping[int, int], ntasks: int) -> Outcome:
     peer record 4 even when the peer died of a bug: so a code no restart fixes (NOT_RETRIED
     but a stop: 1, 2, 3), on any rank, decides first; then a stop (75); then ranks that
     recorded nothing though srun saw a signal (killed); then 4. A rank whose node failed it (5:
-    a CUDA or NCCL error of its GPU) is restarted, as a killed one. A rank records 0 once all it
+    a fault of its GPU: ECC, NVLink, a busy device) is restarted, as a killed one. A rank records 0 once all it
     wrote is on disk: when every rank did, the job succeeded, whatever befell a rank in the
     process group's teardown after that."""
     killed, lost, faulty, stopped, finished = [], [], [], False, 0

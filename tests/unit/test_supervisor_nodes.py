@@ -60,8 +60,8 @@ def leave(job_dir: Path, files: dict) -> Path:
     # Ranks killed on every node of the step (srun ended them all): nothing tells them apart.
     ({JobPaths.NODES: "n1\nn2\nn3\n"}, Outcome(137, True, "", killed=(0, 1, 2)), {}),
     # The same CUDA error on every node: the run's, or the site's, not one node's.
-    ({JobPaths.NODES: "n1\nn2\n", JobPaths.NODE_FAULT.format(0): "n1 CUDA error: unknown error\n",
-      JobPaths.NODE_FAULT.format(1): "n2 CUDA error: unknown error\n"}, Outcome(5, True, ""), {}),
+    ({JobPaths.NODES: "n1\nn2\n", JobPaths.NODE_FAULT.format(0): "n1 CUDA error: uncorrectable ECC error encountered\n",
+      JobPaths.NODE_FAULT.format(1): "n2 CUDA error: uncorrectable ECC error encountered\n"}, Outcome(5, True, ""), {}),
     # A job on one node never pins its node: nothing tells its fault from the run's.
     ({JobPaths.NODES: "n1\nn1\n", JobPaths.HUNG: "1 n1\n"}, LOST_PEER, {}),
 ])
