@@ -252,10 +252,15 @@ class HangWatch:
     """This rank's watchdog: a thread that looks every TICK at what the main thread does."""
 
     def __init__(self, *, rank: int, peers: list[Peer], folder: Path, hang_after: float, roots: tuple[Path, ...],
-                 stream=None, named: Callable[[list[Peer]], None] = lambda peers: None):
+                 stream=None, named: Callable[[list[Peer]], None] = lambda peers: None,
+                 resolved: Callable[[], None] = lambda: None):
         """`named`: called with the ranks a verdict names as those the others wait for, by the
-        rank that prints it (the job runner tells the job's supervisor)."""
+        rank that prints it (the job runner tells the job's supervisor); `resolved`: called
+        by that rank once the run finished a step after it, the wait over (the supervisor must
+        not pin a failure on a node for a hang that ended)."""
         self.rank, self.peers, self.hang_after, self.roots, self.named = rank, peers, hang_after, roots, named
+        self.resolved = resolved
+        self.named_after: int | None = None  # the steps finished when a verdict named ranks, until it resolves
         self.folder = folder.resolve()
         self.stream = stream or sys.stderr
         self.host = socket.gethostname()
@@ -288,10 +293,19 @@ class HangWatch:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # (only when empty)
 
+    def forget_a_resolved_hang(self) -> None:
+        """Once the run finished a step after the one a verdict named ranks at, the wait ended:
+        the ranks it named are no longer those the others wait for. (Not when the wait merely
+        ends: a lost peer's error ends it too, and then the verdict stands.)"""
+        if self.named_after is not None and _step[0] > self.named_after:
+            self.named_after = None
+            self.resolved()
+
     def watch(self) -> None:
         while not self.stopped.wait(TICK):
             try:
                 self.arm_faulthandler()
+                self.forget_a_resolved_hang()
                 now = _doing[0]
                 if now is None:
                     continue
@@ -363,6 +377,7 @@ class HangWatch:
             print(f"{line}; --dist-timeout ends the wait", file=self.stream, flush=True)
             if behind := not_waiting(summaries, self.peers):
                 self.named(behind)
+                self.named_after = _step[0]
 
     def stacks_of(self, peer: Peer) -> str:
         """A peer's stacks as faulthandler wrote them, or ""."""

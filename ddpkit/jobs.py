@@ -65,6 +65,7 @@ from ddpkit.launch import (
     read_launch_env,
     record_exit,
     record_node_fault,
+    remove_exit_file,
     unfixable_exit,
     write_exit_file,
 )
@@ -274,8 +275,11 @@ class Job:
             def named(behind: list[Peer]) -> None:
                 write_exit_file(self.launch, JobPaths.HUNG, "".join(f"{peer.rank} {peer.node}\n" for peer in behind))
 
+            def resolved() -> None:
+                remove_exit_file(self.launch, JobPaths.HUNG)
+
             self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
-                                        hang_after=hang_after, roots=roots, named=named).start()
+                                        hang_after=hang_after, roots=roots, named=named, resolved=resolved).start()
 
     def start_log(self, saved_options: dict, hparams: HParams, hosts: list[str], classes: tuple[str, ...],
                   ckpt_path: str, changed: str) -> None:

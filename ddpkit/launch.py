@@ -279,6 +279,13 @@ def write_exit_file(launch: Launch, name: str, text: str) -> None:
         Path(launch.exit_dir, name).write_text(text)
 
 
+def remove_exit_file(launch: Launch, name: str) -> None:
+    """Take back a file left for the job's supervisor (write_exit_file), if it is there."""
+    if launch.exit_dir:
+        with contextlib.suppress(OSError):
+            Path(launch.exit_dir, name).unlink()
+
+
 def record_exit(code: int, launch: Launch | None) -> None:
     """Leave this rank's exit code where run_training.sbatch reads it: it restarts after
     a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""

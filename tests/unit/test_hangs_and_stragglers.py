@@ -133,3 +133,24 @@ def test_three_slow_windows_of_different_ranks_in_a_row_name_no_straggler():
     assert lines == ["", "", "", "", ""]
     third = judge.window((32, 10, 11))[3]
     assert third.startswith("straggler: rank 0 on a takes 32.0 ms") and "in 3 windows" in third
+
+
+def test_a_hang_report_that_resolved_is_taken_back_once_a_step_finishes_after_it(tmp_path):
+    """The rank that named ranks in a verdict takes it back (the job's supervisor must not pin
+    a failure on their nodes) once the run finished a step after it; not before, for a lost
+    peer's error ends the wait too, and then the verdict stands."""
+    taken_back = []
+    watch = hangs.HangWatch(rank=0, peers=[], folder=tmp_path, hang_after=10, roots=(), resolved=lambda: taken_back.append(1))
+    before = hangs._step[0]
+    try:
+        hangs._step[0] = 6
+        watch.forget_a_resolved_hang()  # (no verdict yet)
+        watch.named_after = 6  # (as a verdict that named ranks after step 6 leaves it)
+        watch.forget_a_resolved_hang()
+        assert taken_back == []
+        hangs._step[0] = 7
+        watch.forget_a_resolved_hang()
+        watch.forget_a_resolved_hang()
+        assert taken_back == [1] and watch.named_after is None
+    finally:
+        hangs._step[0] = before
