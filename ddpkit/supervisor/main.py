@@ -378,8 +378,12 @@ class Supervisor:
         path = os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)
         line = " ".join(read_lines(path))
         if line.startswith(old + " "):
-            with open(path, "w") as file:
-                file.write(self.resubmit + line[len(old):] + "\n")
+            try:
+                with open(path, "w") as file:
+                    file.write(self.resubmit + line[len(old):] + "\n")
+            except OSError as err:  # (the job goes on: the line after END then lacks the --exclude)
+                print(f"could not add --exclude={','.join(nodes)} to the line that continues the run ({err})",
+                      flush=True)
 
     def exclude_left_out(self) -> None:
         """Right after a requeue, while the job waits to run again: Slurm keeps it off the nodes

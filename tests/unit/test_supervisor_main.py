@@ -347,3 +347,29 @@ def test_a_chain_sbatch_refuses_is_one_line_and_the_printed_line_remains(tmp_pat
     assert lines[-1].startswith(f"to continue from the newest checkpoint, from {tmp_path}: SHARED_DIR=")
     assert " CHAIN=0 sbatch " in lines[-1] and lines[-1].endswith(" --epochs 3")
     assert not (tmp_path / "runs" / "job-77" / JobPaths.CHAINED_JOB).exists()
+
+
+def test_a_line_that_continues_the_run_it_cannot_rewrite_leaves_the_supervisor_and_its_end_line(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Adding --exclude to rank 0's line that continues the run fails (a full disk, say): one line
+    says so, and the job still ends with its END line and the line that continues the run."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv(JobEnv.RESUBMIT, "")  # (restored after the test: the supervisor sets it)
+    supervisor = Supervisor(settings(tmp_path), LINE, "/code/ddpkit/supervisor/main.py")
+    supervisor.resubmit = "sbatch run_training.sbatch"
+    os.makedirs(supervisor.s.job_dir)
+    Path(supervisor.s.job_dir, JobPaths.CONTINUE_COMMAND).write_text("sbatch run_training.sbatch --epochs 3\n")
+    real_open = open
+
+    def open_but_not_to_write(path, mode="r", *args, **kwargs):
+        if "w" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("ddpkit.supervisor.main.open", open_but_not_to_write, raising=False)
+    supervisor.exclude_in_line(["n2"])
+    assert supervisor.end(Outcome(4, True, "rank 0 lost contact"), 4) == 4
+    out = capsys.readouterr().out
+    assert "could not add --exclude=n2 to the line that continues the run ([Errno 28] No space left on device)" in out
+    assert re.search(r"^END .* exit=4 gave up after 4 attempts", out, re.MULTILINE)
+    assert out.rstrip().endswith("run_training.sbatch --epochs 3")

@@ -307,3 +307,16 @@ def test_after_a_node_left_out_a_lost_node_leaves_the_step_on_the_usable_nodes_a
     assert (tmp_path / "srun.log").read_text().splitlines()[2:] == [
         "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --exclude=n2",
         "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
+
+
+def test_a_node_name_outside_the_jobs_node_list_is_never_pinned(tmp_path):
+    """Ranks that name their nodes otherwise than Slurm (a container without SLURMD_NODENAME: its
+    own host name) pin nothing, though a hang report names one and the job loses n2: no
+    bogus name in the record or in --exclude, and no lost node pinned for names not the job's."""
+    nodes = ["n1", "n2"]
+    shows_n1 = f"echo '{LINE} NumNodes=1 NodeList=n1 ExcNodeList=(null)' > {tmp_path}/shows"
+    hang = step(["c7f3a", "c9b2e"], {0: 4}, 4, hung="1 c9b2e", world_sizes="1 2", then=shows_n1)
+    result = supervised_job(tmp_path, [hang, hang, step(["c7f3a"], {0: 0}, 0)], nodes, MIN_NODES="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "leaving" not in result.stdout and "c9b2e" not in (tmp_path / "srun.log").read_text()
+    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
