@@ -117,8 +117,8 @@ class JobPaths:
     WORLD_SIZES = "world-sizes"            # the world sizes the run's global batch splits among, after a lost node
     CHAINED_JOB = "chained-job"            # RUN_DIR/chained-job: the id of the job CHAIN submitted to continue the run
     NODES = "nodes-by-rank"                # each rank's Slurm node, one a line in rank order, once the ranks met
-    HUNG = "hung"                          # the ranks a hang report named as those the others wait for: "RANK NODE" a line
-    NODE_FAULT = "node-fault-rank-{}"      # node-fault-rank-<r>: that rank's node failed it (exit 5): "NODE CLASS: message"
+    HUNG = "hung"                          # the ranks a hang report named as those the others wait for (hung_text)
+    NODE_FAULT = "node-fault-rank-{}"      # node-fault-rank-<r>: that rank's node's GPU failed it, exit 5 (node_fault_text)
     NODE_FAILURES = "node-failures-job-{}"  # RUN_DIR/exit-codes/node-failures-job-<id>: the job's failures pinned on a node
     SIDES = {  # name: (who writes it, who reads it), several sides separated by spaces
         "EXIT_CODE": ("ranks supervisor sweep", "sweep"),
@@ -150,6 +150,28 @@ class JobPaths:
     def is_rank_code(name: str) -> bool:
         """Whether a file of the job's folder is a rank's exit code."""
         return re.fullmatch(JobPaths.RANK_CODE.format(r"\d+"), name) is not None
+
+
+def hung_text(ranks: List[Tuple[int, str]]) -> str:
+    """JobPaths.HUNG's text: the ranks a hang report named, each with its node, "RANK NODE" a line."""
+    return "".join(f"{rank} {node}\n" for rank, node in ranks)
+
+
+def read_hung(text: str) -> List[Tuple[str, str]]:
+    """(rank, node) of each line of JobPaths.HUNG's text."""
+    return [(line.partition(" ")[0], line.partition(" ")[2].strip()) for line in text.splitlines() if line.strip()]
+
+
+def node_fault_text(node: str, fault: str) -> str:
+    """JobPaths.NODE_FAULT's text: the rank's node and its fault's class, "NODE CLASS"."""
+    return f"{node} {fault}\n"
+
+
+def read_node_fault(text: str) -> Tuple[str, str]:
+    """(node, class) of JobPaths.NODE_FAULT's text; ("", "") when it holds none."""
+    line = text.strip().partition("\n")[0]
+    node, _, fault = line.partition(" ")
+    return node, fault.strip()
 
 
 def read_codes(job_dir: str) -> Dict[int, int]:

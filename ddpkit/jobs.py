@@ -38,6 +38,7 @@ from ddpkit.contract import (
     FIRST_START_ONLY,
     JobEnv,
     JobPaths,
+    hung_text,
     requeue_job,
     resubmit_start,
 )
@@ -273,7 +274,7 @@ class Job:
             roots = (Path(sys.argv[0]).resolve().parent, KIT)  # (the recipe's folder, ddpkit/)
 
             def named(behind: list[Peer]) -> None:
-                write_exit_file(self.launch, JobPaths.HUNG, "".join(f"{peer.rank} {peer.node}\n" for peer in behind))
+                write_exit_file(self.launch, JobPaths.HUNG, hung_text([(peer.rank, peer.node) for peer in behind]))
 
             def resolved() -> None:
                 remove_exit_file(self.launch, JobPaths.HUNG)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, port_from_job_id, read_codes, this_job
+from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
 
 PROG = "mnist_ddp.py"
 INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"
@@ -299,7 +299,7 @@ def record_node_fault(fault: str, launch: Launch | None) -> None:
     error's class): it pins the failure on that node. Before the exit code, which ends the wait."""
     if launch:
         with contextlib.suppress(OSError):
-            write_exit_file(launch, JobPaths.NODE_FAULT.format(launch.rank), f"{launch.node} {fault}\n")
+            write_exit_file(launch, JobPaths.NODE_FAULT.format(launch.rank), node_fault_text(launch.node, fault))
 
 
 def unfixable_exit(launch: Launch) -> tuple[int, str]:

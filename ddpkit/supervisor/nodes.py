@@ -21,7 +21,7 @@ import os
 import re
 from typing import Dict, List, NamedTuple, Sequence
 
-from ddpkit.contract import JobPaths
+from ddpkit.contract import JobPaths, read_hung, read_node_fault
 from ddpkit.supervisor.outcome import Outcome
 
 LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out
@@ -49,17 +49,15 @@ def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[st
     by_rank = read_lines(os.path.join(job_dir, JobPaths.NODES))
     hung, killed = {}, {}  # type: Dict[str, List[str]], Dict[str, List[str]]
     faults = {}  # type: Dict[str, List[Pin]]
-    for line in read_lines(os.path.join(job_dir, JobPaths.HUNG)):
-        rank, _, node = line.partition(" ")
+    for rank, node in read_hung("\n".join(read_lines(os.path.join(job_dir, JobPaths.HUNG)))):
         hung.setdefault(node, []).append(rank)
     for rank in outcome.killed:
         if rank < len(by_rank):
             killed.setdefault(by_rank[rank], []).append(str(rank))
     for name in sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []:
         match = re.fullmatch(JobPaths.NODE_FAULT.format(r"(\d+)"), name)
-        lines = read_lines(os.path.join(job_dir, name)) if match else []
-        if lines:
-            node, _, fault = lines[0].partition(" ")
+        node, fault = read_node_fault("\n".join(read_lines(os.path.join(job_dir, name)))) if match else ("", "")
+        if node:
             faults.setdefault(node, []).append(Pin(match.group(1), f"rank {match.group(1)} on it failed with {fault}"))
     kinds = [{node: Pin(" ".join(ranks), f"a hang report named rank {' '.join(ranks)} on it")
               for node, ranks in hung.items()},

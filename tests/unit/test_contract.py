@@ -14,7 +14,17 @@ import sys
 
 import pytest
 
-from ddpkit.contract import JobEnv, JobPaths, continuing_args, port_from_job_id, read_codes
+from ddpkit.contract import (
+    JobEnv,
+    JobPaths,
+    continuing_args,
+    hung_text,
+    node_fault_text,
+    port_from_job_id,
+    read_codes,
+    read_hung,
+    read_node_fault,
+)
 from helpers.processes import ROOT
 
 # ----------------------------------------------------------------------------- one name, two sides
@@ -197,3 +207,14 @@ def test_under_the_batch_file_the_advice_names_the_run_as_the_batch_file_does(tm
     monkeypatch.setenv(JobEnv.RESUBMIT, "SHARED_DIR=/s sbatch run_training.sbatch")
     with pytest.raises(UsageError, match="pass another RUN_NAME to start afresh, or --resume auto to continue"):
         find_checkpoint("never", False, {}, (), tmp_path)
+
+
+def test_the_hang_reports_and_the_node_faults_lines_are_written_and_read_by_one_pair_each():
+    """The rank writes JobPaths.HUNG and JobPaths.NODE_FAULT with the contract's writer, and the
+    supervisor reads them with its reader: what one writes, the other reads back."""
+    assert hung_text([(1, "n2"), (3, "gpu-4")]) == "1 n2\n3 gpu-4\n"
+    assert read_hung(hung_text([(1, "n2"), (3, "gpu-4")])) == [("1", "n2"), ("3", "gpu-4")]
+    assert read_hung("") == []
+    fault = "CUDA error: uncorrectable ECC error encountered"
+    assert read_node_fault(node_fault_text("n3", fault)) == ("n3", fault)
+    assert read_node_fault("") == ("", "")
