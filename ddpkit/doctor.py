@@ -9,12 +9,17 @@ Then the speeds: every rank times the recipe's fixed training step (mnist_ddp.py
 check_step: the default model on a default batch of synthetic images, on its own device),
 and the first ranks of each pair of nodes time an exchange of 16 MB; rank 0 names, one
 line each, a rank, a node or a pair of nodes slower than 1.5 times the others (stragglers.py's
-factor), with the `sbatch --exclude=NODE` that leaves the node out.
+factor) and, for a step, slower by STEP_NOISE at least, with the `sbatch --exclude=NODE` that
+leaves the node out. The pairs' passes stop after PAIR_BUDGET seconds, so that the check
+stays within a minute on many nodes.
 
 Exit 0 when all is well, and when something is only slow: the job would train, and a
 slowness seen once may be a neighbour's passing load, so the line says what to do and a
 script that trains after a passing check is not stopped; 4 (a rank cannot reach another)
-when they cannot meet; 1 when a sum comes out wrong, or a rank cannot run a training step."""
+when they cannot meet; 5 when a rank cannot run a training step for a fault of its node's GPU
+(ECC, NVLink, a busy device: recovery.node_fault, as in training); 1 when a sum comes out
+wrong, or a rank cannot run a training step for any other error (the recipe's, or the
+environment's, which a restart elsewhere would not fix)."""
 
 import fcntl
 import json
@@ -32,10 +37,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER
+from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.distributed import pick_device
 from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
+from ddpkit.recovery import node_fault
 from ddpkit.stragglers import SLOW_FACTOR
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
@@ -46,6 +52,8 @@ TIMED_REPEATS = 3
 STEP_WARMUP, STEP_REPEATS = 3, 7  # the timed training step: steps first run untimed, then steps timed (their median)
 PAIR_BYTES = 16 * 2**20  # sent each way between two nodes: large enough that the link, not latency, sets its time
 PAIR_REPEATS = 5  # timed passes over every pair of nodes, after one untimed (a pair's fastest counts)
+PAIR_BUDGET = 15.0  # seconds of the pairs' passes after which no further timed pass starts (one always runs)
+STEP_NOISE = 0.002  # seconds: a step slower by less is noise (a GPU step's jitter), however many times the others
 PREFIX = "mnist-ddp-check"  # its keys, apart from any others in torchrun's store
 
 
@@ -228,7 +236,7 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
 def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[str], *, me: dict, hints: str) -> int:
     """Every rank times the recipe's step and the first ranks of the nodes their links; rank 0
     prints the figures and names what is slow (exit 0 still), or a rank that could not run a
-    step (exit 1). Returns the exit code."""
+    step (check_code). Returns the exit code."""
     rank = me["rank"]
     what, seconds = "a training step", math.nan
     if make_step:
@@ -237,6 +245,7 @@ def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[
             seconds = time_step(step, device)
         except Exception as err:  # (it goes on to the collectives below, so that rank 0 names it)
             say(f"check: rank {rank} on {me['host']} cannot run a training step on {device}: {first_line(err)}")
+            seconds = -math.inf if node_fault(err) else math.nan  # (-inf: a fault of its node's GPU)
     try:
         step_seconds = gather_step_times_all_ranks(seconds, device) if make_step else []
         pair_seconds = time_pairs_of_nodes_all_ranks(device, nodes, rank)
@@ -244,7 +253,8 @@ def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[
         say(f"check failed: rank {rank} on {me['host']} lost contact with the others while the speeds were timed "
             f"({first_line(err)}); {hints}")
         return EXIT_LOST_PEER
-    broken = [r for r, own in enumerate(step_seconds) if math.isnan(own)]
+    broken = [r for r, own in enumerate(step_seconds) if not math.isfinite(own)]
+    faulty = [r for r in broken if step_seconds[r] == -math.inf]
     if rank == 0:
         for line in speed_figures(what, step_seconds, pair_seconds):
             say(line)
@@ -258,7 +268,17 @@ def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[
                 say(line)
             say(f"check passed in {process_age():.1f} s: every rank joined, connected and reduced correctly; training "
                 "with the same settings will meet" + ("; every step will wait for the slow ones above" if slow else ""))
-    return EXIT_BUG if broken else 0
+    return check_code(broken, faulty)
+
+
+def check_code(broken: list[int], faulty: list[int]) -> int:
+    """The check's exit code from the ranks that could not run a step (`broken`) and those of
+    them that failed on a fault of their node's GPU (`faulty`): 5 when every one did (the node's
+    fault, as in training), 1 when any other error stopped one (the recipe's or the
+    environment's), 0 when none."""
+    if not broken:
+        return 0
+    return EXIT_NODE_FAULT if set(broken) == set(faulty) else EXIT_BUG
 
 
 def table_line(info: dict) -> str:
@@ -348,7 +368,8 @@ def time_step(step: Callable[[], object], device: torch.device) -> float:
 
 
 def gather_step_times_all_ranks(seconds: float, device: torch.device) -> list[float]:
-    """Every rank's seconds a step (NaN: it could not run one), on every rank."""
+    """Every rank's seconds a step (NaN: it could not run one; -inf: for a fault of its node's
+    GPU), on every rank."""
     mine = torch.tensor([seconds], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -384,36 +405,50 @@ def time_pairs_of_nodes_all_ranks(device: torch.device, nodes: list[str], rank: 
     only slows, whereas a slow link (a NIC at a lower rate, a bad cable, a congested route) is
     slow every time; the passes spread each pair's exchanges over the whole schedule, so that
     one busy moment does not slow all of them. A small exchange before each timed one starts
-    both ends together. The other ranks wait in the all-reduce that shares the times."""
+    both ends together. After each timed pass every rank learns whether the slowest first
+    rank has spent PAIR_BUDGET seconds on them (on many nodes, a pass is long), and then no
+    pass follows: the ranks agree, so that no first rank waits for a peer that stopped."""
     names = list(dict.fromkeys(nodes))  # (in the order of their first ranks)
     first = {node: nodes.index(node) for node in names}
     pairs = [pair for round_pairs in pair_rounds(len(names)) for pair in round_pairs]
     if not pairs:  # (one node)
         return {}
     times = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    began = time.monotonic()
+    peers: dict[int, int] = {}
     if first[nodes[rank]] == rank:
         me = names.index(nodes[rank])
         peers = {i: first[names[b if me == a else a]] for i, (a, b) in enumerate(pairs) if me in (a, b)}
         data, ready = torch.ones(PAIR_BYTES // 4, device=device), torch.ones(1, device=device)
         into, ready_into = torch.empty_like(data), torch.empty_like(ready)
-        fastest = dict.fromkeys(peers, math.inf)
-        for timed in [False] + [True] * PAIR_REPEATS:
-            for i, peer in peers.items():
-                exchange(peer, ready, ready_into)
-                started = time.perf_counter()
-                exchange(peer, data, into)
-                if timed:
-                    fastest[i] = min(fastest[i], time.perf_counter() - started)
-        for i, seconds in fastest.items():
-            times[i] = seconds
+    fastest = dict.fromkeys(peers, math.inf)
+    for timed in [False] + [True] * PAIR_REPEATS:
+        for i, peer in peers.items():
+            exchange(peer, ready, ready_into)
+            started = time.perf_counter()
+            exchange(peer, data, into)
+            if timed:
+                fastest[i] = min(fastest[i], time.perf_counter() - started)
+        if timed and over_budget_all_ranks(began, PAIR_BUDGET, device):
+            break
+    for i, seconds in fastest.items():
+        times[i] = seconds
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return {(names[a], names[b]): seconds for (a, b), seconds in zip(pairs, times.tolist(), strict=True)}
+
+
+def over_budget_all_ranks(began: float, budget: float, device: torch.device) -> bool:
+    """Whether any rank has spent `budget` seconds since `began` (monotonic), on every rank
+    alike: a collective, which every rank must call at the same point."""
+    spent = torch.tensor([time.monotonic() - began], dtype=torch.float64, device=device)
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return spent.item() >= budget
 
 
 def speed_figures(what: str, step_seconds: list[float], pair_seconds: dict[tuple[str, str], float]) -> list[str]:
     """Rank 0's lines of the median and the range of the step's time and of the pairs' exchange."""
     lines = []
-    ms = [1000 * seconds for seconds in step_seconds if not math.isnan(seconds)]
+    ms = [1000 * seconds for seconds in step_seconds if math.isfinite(seconds)]
     if ms:
         lines.append(f"check: {what} takes {statistics.median(ms):.1f} ms on the median rank ({min(ms):.1f}-"
                      f"{max(ms):.1f} ms over {len(ms)} rank{'s' if len(ms) > 1 else ''})")
@@ -425,16 +460,17 @@ def speed_figures(what: str, step_seconds: list[float], pair_seconds: dict[tuple
     return lines
 
 
-def slower_than_the_others(times: dict) -> dict:
+def slower_than_the_others(times: dict, noise: float = 0.0) -> dict:
     """{key: the median of the other keys' times} for each key whose time is more than
-    SLOW_FACTOR times that median, as stragglers.py judges a rank: a slow one cannot pull its
-    own measure up, and of two, each is measured by the other. None of fewer than two keys."""
+    SLOW_FACTOR times that median, and more than `noise` seconds above it, as stragglers.py
+    judges a rank: a slow one cannot pull its own measure up, and of two, each is measured by
+    the other. None of fewer than two keys."""
     ordered = sorted(times.values())
     slow = {}
     for key, seconds in times.items():
         others = list(ordered)
         others.remove(seconds)
-        if others and seconds > SLOW_FACTOR * statistics.median(others):
+        if others and seconds > SLOW_FACTOR * statistics.median(others) and seconds - statistics.median(others) > noise:
             slow[key] = statistics.median(others)
     return slow
 
@@ -456,7 +492,7 @@ def slow_lines(step_seconds: list[float], nodes: list[str], pair_seconds: dict[t
     if step_seconds:
         ranks_of = {node: [r for r in range(len(nodes)) if nodes[r] == node] for node in dict.fromkeys(nodes)}
         node_seconds = {node: min(step_seconds[r] for r in ranks) for node, ranks in ranks_of.items()}
-        for node, others in slower_than_the_others(node_seconds).items():
+        for node, others in slower_than_the_others(node_seconds, STEP_NOISE).items():
             named.add(node)
             ranks = ranks_of[node]
             lines.append(f"check: node {node} is slow: a training step takes {1000 * node_seconds[node]:.1f} ms there "
@@ -464,7 +500,7 @@ def slow_lines(step_seconds: list[float], nodes: list[str], pair_seconds: dict[t
                          f"{node_seconds[node] / others:.1f}x the "
                          f"other nodes' median of {1000 * others:.1f} ms (a node busy with another job, or throttled?); "
                          f"leave it out: sbatch --exclude={node}")
-        for r, others in slower_than_the_others(dict(enumerate(step_seconds))).items():
+        for r, others in slower_than_the_others(dict(enumerate(step_seconds)), STEP_NOISE).items():
             if nodes[r] not in named:
                 lines.append(f"check: rank {r} on {nodes[r]} is slow: a training step takes {1000 * step_seconds[r]:.1f} "
                              f"ms, {step_seconds[r] / others:.1f}x the other ranks' median of {1000 * others:.1f} ms (its "

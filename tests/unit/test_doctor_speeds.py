@@ -1,7 +1,7 @@
 """ddpkit/doctor.py's verdict on the speeds that `mnist_ddp.py --check` measures: which rank,
 node or pair of nodes is slower than 1.5 times the others (each line with the sbatch
 --exclude that leaves the node out), and the rounds in which the nodes' first ranks time
-their links. The check in real runs: tests/runs/test_doctor.py (a slow rank on one host)
+their links, stopped by a time budget; the exit code of ranks that cannot run a step. The check in real runs: tests/runs/test_doctor.py (a slow rank on one host)
 and tests/cluster/own_clusters/test_check_on_three_nodes.py (a slow node of three).
 
     python -m pytest tests/unit/test_doctor_speeds.py
@@ -10,8 +10,13 @@ and tests/cluster/own_clusters/test_check_on_three_nodes.py (a slow node of thre
 import itertools
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from ddpkit.doctor import pair_rounds, slow_lines, slower_than_the_others, speed_figures
+from ddpkit import doctor
+from ddpkit.contract import EXIT_BUG, EXIT_NODE_FAULT
+from ddpkit.doctor import check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
 
 FAST = 0.02  # seconds of an exchange on a healthy link
 
@@ -101,3 +106,44 @@ def test_the_rounds_pair_every_two_nodes_once_and_no_node_twice_in_a_round(count
     assert sorted(pairs) == list(itertools.combinations(range(count), 2))
     assert all(len({node for pair in round_pairs for node in pair}) == 2 * len(round_pairs) for round_pairs in rounds)
     assert len(rounds) == (0 if count == 1 else count - 1 + count % 2)
+
+
+def test_a_step_slower_by_less_than_the_noise_floor_names_nothing():
+    """2.9x the others but 1.9 ms slower: a GPU step's jitter, not a slow node; 2.5 ms slower is."""
+    assert slow_lines([0.0010, 0.0029, 0.0010], ["a", "b", "c"], same_links("a", "b", "c")) == []
+    assert slower_than_the_others({"a": 0.001, "b": 0.0029}, doctor.STEP_NOISE) == {}
+    assert slow_lines([0.0010, 0.0035, 0.0010], ["a", "b", "c"], {})[0].startswith("check: node b is slow")
+
+
+def test_a_rank_that_cannot_run_a_step_is_a_nodes_fault_only_for_its_gpu():
+    """Every broken rank failed on its GPU (ECC, NVLink, a busy device): 5, as in training; any
+    other error on one of them: 1; none broken: 0."""
+    assert check_code([], []) == 0
+    assert check_code([1, 2], [1, 2]) == EXIT_NODE_FAULT
+    assert check_code([1, 2], [1]) == EXIT_BUG
+
+
+def _pairs_within_a_budget(rank: int, init: str, budget: float, result: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    doctor.PAIR_BYTES, doctor.PAIR_BUDGET = 4096, budget
+    exchanges = []
+    real = doctor.exchange
+    doctor.exchange = lambda peer, data, into: (exchanges.append(peer), real(peer, data, into))
+    times = doctor.time_pairs_of_nodes_all_ranks(torch.device("cpu"), ["a", "b"], rank)
+    result[rank] = (len(exchanges), list(times))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("budget", "passes"), [(0.0, 2), (60.0, 1 + doctor.PAIR_REPEATS)])
+def test_the_pairs_passes_stop_once_the_budget_is_spent_on_every_rank_alike(tmp_path, budget, passes):
+    """Two real Gloo ranks on two nodes: with the budget spent at once, the untimed pass and one
+    timed pass (2 exchanges each: the start, then the data), on both ends; within it, all."""
+    result = mp.Manager().dict()
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_pairs_within_a_budget, args=(rank, init, budget, result)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert dict(result) == {0: (2 * passes, [("a", "b")]), 1: (2 * passes, [("a", "b")])}
