@@ -62,6 +62,9 @@ Exit codes
    4  lost contact with another rank (it died, or hung past --dist-timeout); the line
       names the operation and the step. Nothing saved is lost: run it again, as
       run_training.sbatch does by itself (MAX_RESTARTS)
+   5  a fault of this rank's node's GPU (ECC, NVLink, a busy device), from CUDA or NCCL;
+      run it again, as run_training.sbatch does, which leaves out a node that two
+      failures were pinned on
   75  stopped by SIGUSR1/SIGTERM/SIGHUP/Ctrl-C, or ahead of the time limit, after saving a
       checkpoint; the line says how to continue
       (under Slurm with --requeue the job has requeued itself)
@@ -87,6 +90,7 @@ import copy  # (after the stop signals, on purpose: see above)
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,12 +297,15 @@ def build_training(recipe: Recipe, options: RunOptions, rt: Runtime, data: Image
         model = torch.compile(model)
     average = WeightAverage(raw_model, recipe.ema) if recipe.ema else None
     torch.manual_seed(recipe.seed + rt.rank)  # dropout differs per rank, as its data does
+    return model, raw_model, build_optimizer(recipe, raw_model), average
+
+
+def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     # beta2 0.99 instead of 0.999: the step sizes adapt within ~100 steps, not ~1,000 (docs/defaults.md).
     # fused: one pass over all the weights (on 2 CPU cores 0.5 ms instead of 1.4 ms, a tenth of the
     # step; on a GPU, one kernel). Any torch.optim optimizer also works here.
-    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=recipe.lr, betas=(0.9, 0.99),
-                                  weight_decay=recipe.weight_decay, fused=True)
-    return model, raw_model, optimizer, average
+    return torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.99), weight_decay=recipe.weight_decay,
+                             fused=True)
 
 
 def lr_at(step: int, total_steps: int, peak: float) -> float:
@@ -329,6 +336,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x:
     loss.backward()  # DDP averages the gradients across ranks here
     optimizer.step()
     return loss.detach()
+
+
+def check_step(device: torch.device) -> tuple[str, Callable[[], torch.Tensor]]:
+    """--check's fixed piece of work, which every rank times on its own device: one training
+    step of the default model on a default global batch of synthetic MNIST-sized images (the
+    same work on every rank and for any world size). Returns its words and the step."""
+    recipe, shape, classes = Recipe(), (1, 28, 28), 10
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe, shape, classes).to(device)
+    optimizer = build_optimizer(recipe, model)
+    x = torch.randn(recipe.global_batch, *shape, device=device)
+    y = torch.randint(classes, (recipe.global_batch,), device=device)
+    what = f"a training step of the default model ({recipe.model}, {recipe.global_batch} images of 28 x 28)"
+    return what, lambda: train_step(model, optimizer, recipe.lr, x, y, label_smoothing=recipe.label_smoothing)
 
 
 class WeightAverage:
@@ -478,7 +499,7 @@ def prepare_and_train(job: jobs.Job) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this process's part of the job; returns the exit code (see the manual above)."""
-    return jobs.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS)
+    return jobs.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS, check_step=check_step)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED, EXIT_USAGE, JobPaths
+from ddpkit.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, EXIT_USAGE, JobPaths
 from ddpkit.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
 
 HERE = Path(__file__).resolve().parent
@@ -247,6 +247,7 @@ def run_locally(sweep_file: Path) -> int:
 
 STATES = {0: "done", EXIT_BUG: "failed (exit 1: a bug)", EXIT_USAGE: "failed (exit 2: usage)",
           EXIT_DIVERGED: "diverged (exit 3)", EXIT_LOST_PEER: "failed (exit 4: lost a peer)",
+          EXIT_NODE_FAULT: "failed (exit 5: a node's fault)",
           EXIT_STOPPED: "stopped (exit 75)", 130: "failed (exit 130: Ctrl-C before training)"}
 
 

@@ -12,7 +12,8 @@ data, the model or the training step; mnist_ddp.py holds those.
   stragglers.py    each rank's own time a step, and rank 0's judgement of which rank is slow
   profiling.py     --profile and RUN_DIR/profile-now: torch.profiler traces of every rank, the top operators
   time_limit.py    the job's end: the stop --stop-before it, whether the run fits (standard library only)
-  doctor.py        --check: every rank joins and is described, a known-answer and a timed all-reduce
+  doctor.py        --check: every rank joins and is described, a known-answer and a timed all-reduce, the
+                   recipe's step timed on every rank and the links between nodes; what is slow, named
   rundir.py        the run's directory, held for as long as the run lives
   runlog.py        stdout, metrics.jsonl, TensorBoard (scalars, pictures, HParams)
   training_run.py  the run's plan (batches, schedule) and TrainingRun: what happens around each step and epoch

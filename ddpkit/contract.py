@@ -27,7 +27,8 @@ from ddpkit import sweeplines
 EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
-EXIT_LOST_PEER = 4  # another rank died or hung: the one failure that running again fixes
+EXIT_LOST_PEER = 4  # another rank died or hung: a failure that running again fixes
+EXIT_NODE_FAULT = 5  # a fault of this rank's node's GPU (ECC, NVLink, a busy device): running again fixes it, elsewhere
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, try again to continue
 # The codes after which nothing starts the ranks again (the supervisor's restarts, torchrun's):
 # a restart would repeat a bug, a usage problem or a divergence, and a stop asked to stop.
@@ -105,7 +106,8 @@ class JobPaths:
     submitit's JobPaths names a job's files). In the run directory: EXIT_CODE, and JOB_DIRS
     with one folder for each job of the run (job_dir), so that a second job of the same run,
     refused while the first one runs, never touches the first one's files. In that folder:
-    the rest. SIDES says who writes each file and who reads it, as JobEnv.SIDES does."""
+    the rest. SIDES says who writes each file and who reads it, as JobEnv.SIDES does; a file of
+    the run directory may also pass between two jobs of one side."""
     EXIT_CODE = "exit-code"                # how the run's last attempt ended, for sweep.py and whoever reads RUN_DIR
     JOB_DIRS = "exit-codes"                # RUN_DIR/exit-codes/job-<id>: each job's folder
     RANK_CODE = "rank-{}"                  # rank-<r>: that rank's exit code, once all it wrote is on disk
@@ -113,6 +115,11 @@ class JobPaths:
     CONTINUE_COMMAND = "continue-command"  # rank 0's command that continues the run, printed after END
     RUN_DIR_TAKEN = "run-dir-taken"        # another job holds the run directory: leave its files alone
     WORLD_SIZES = "world-sizes"            # the world sizes the run's global batch splits among, after a lost node
+    CHAINED_JOB = "chained-job"            # RUN_DIR/chained-job: the id of the job CHAIN submitted to continue the run
+    NODES = "nodes-by-rank"                # each rank's Slurm node, one a line in rank order, once the ranks met
+    HUNG = "hung"                          # the ranks a hang report named as those the others wait for (hung_text)
+    NODE_FAULT = "node-fault-rank-{}"      # node-fault-rank-<r>: that rank's node's GPU failed it, exit 5 (node_fault_text)
+    NODE_FAILURES = "node-failures-job-{}"  # RUN_DIR/exit-codes/node-failures-job-<id>: the job's failures pinned on a node
     SIDES = {  # name: (who writes it, who reads it), several sides separated by spaces
         "EXIT_CODE": ("ranks supervisor sweep", "sweep"),
         "JOB_DIRS": ("supervisor", "sweep"),
@@ -121,6 +128,11 @@ class JobPaths:
         "CONTINUE_COMMAND": ("ranks", "supervisor"),
         "RUN_DIR_TAKEN": ("ranks", "supervisor"),
         "WORLD_SIZES": ("ranks", "supervisor"),
+        "CHAINED_JOB": ("supervisor", "supervisor"),  # (from the job that chained to the next one's and any later one's)
+        "NODES": ("ranks", "supervisor"),
+        "HUNG": ("ranks", "supervisor"),
+        "NODE_FAULT": ("ranks", "supervisor"),
+        "NODE_FAILURES": ("supervisor", "supervisor"),  # (from each start of the job, its requeues too, to the next)
     }
 
     @staticmethod
@@ -129,9 +141,37 @@ class JobPaths:
         return os.path.join(run_dir, JobPaths.JOB_DIRS, "job-" + job)
 
     @staticmethod
+    def node_failures(run_dir: str, job: str) -> str:
+        """The file of the failures pinned on a node in the job `job`, beside its folder: it outlives
+        the folder, which each start of the job clears."""
+        return os.path.join(run_dir, JobPaths.JOB_DIRS, JobPaths.NODE_FAILURES.format(job))
+
+    @staticmethod
     def is_rank_code(name: str) -> bool:
         """Whether a file of the job's folder is a rank's exit code."""
         return re.fullmatch(JobPaths.RANK_CODE.format(r"\d+"), name) is not None
+
+
+def hung_text(ranks: List[Tuple[int, str]]) -> str:
+    """JobPaths.HUNG's text: the ranks a hang report named, each with its node, "RANK NODE" a line."""
+    return "".join(f"{rank} {node}\n" for rank, node in ranks)
+
+
+def read_hung(text: str) -> List[Tuple[str, str]]:
+    """(rank, node) of each line of JobPaths.HUNG's text."""
+    return [(line.partition(" ")[0], line.partition(" ")[2].strip()) for line in text.splitlines() if line.strip()]
+
+
+def node_fault_text(node: str, fault: str) -> str:
+    """JobPaths.NODE_FAULT's text: the rank's node and its fault's class, "NODE CLASS"."""
+    return f"{node} {fault}\n"
+
+
+def read_node_fault(text: str) -> Tuple[str, str]:
+    """(node, class) of JobPaths.NODE_FAULT's text; ("", "") when it holds none."""
+    line = text.strip().partition("\n")[0]
+    node, _, fault = line.partition(" ")
+    return node, fault.strip()
 
 
 def read_codes(job_dir: str) -> Dict[int, int]:
@@ -158,11 +198,12 @@ def read_codes(job_dir: str) -> Dict[int, int]:
 SCONTROL_TIMEOUT = 30.0
 
 
-def run(command: List[str], timeout: float, env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+def run(command: List[str], timeout: float, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None
+        ) -> subprocess.CompletedProcess:
     """A command's exit code and its output as UTF-8 text, whatever the locale (Python 3.6 reads
     a C locale as ASCII; subprocess.run's text= and capture_output= are newer)."""
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, encoding="utf-8", errors="replace",
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def last_line(text: str) -> str:

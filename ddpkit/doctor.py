@@ -5,31 +5,55 @@ backend connects the ranks, one all-reduce with a known answer checks the sums, 
 timed all-reduce of 64 MB gives the bandwidth. Rank 0 prints each rank's host, device,
 CPUs, GPUs, network interface and versions.
 
-Exit 0 when all is well; 4 (a rank cannot reach another) when they cannot meet; 1 when a
-sum comes out wrong."""
+Then the speeds: every rank times the recipe's fixed training step (mnist_ddp.py's
+check_step: the default model on a default batch of synthetic images, on its own device),
+and the first ranks of each pair of nodes time an exchange of 16 MB; rank 0 names, one
+line each, a rank, a node or a pair of nodes slower than 1.5 times the others (stragglers.py's
+factor) and, for a step, slower by STEP_NOISE at least, with the `sbatch --exclude=NODE` that
+leaves the node out. The pairs' passes stop after PAIR_BUDGET seconds, so that the check
+stays within a minute on many nodes.
+
+Exit 0 when all is well, and when something is only slow: the job would train, and a
+slowness seen once may be a neighbour's passing load, so the line says what to do and a
+script that trains after a passing check is not stopped; 4 (a rank cannot reach another)
+when they cannot meet; 5 when a rank cannot run a training step for a fault of its node's GPU
+(ECC, NVLink, a busy device: recovery.node_fault, as in training); 1 when a sum comes out
+wrong, or a rank cannot run a training step for any other error (the recipe's, or the
+environment's, which a restart elsewhere would not fix)."""
 
 import fcntl
 import json
+import math
 import os
 import platform
 import socket
+import statistics
 import struct
 import time
+from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER
+from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.distributed import pick_device
 from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
+from ddpkit.recovery import node_fault
+from ddpkit.stragglers import SLOW_FACTOR
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
 LATER = 20.0  # seconds more that the other ranks wait than rank 0
 ACK_WAIT = 10.0  # seconds rank 0 waits, after a failed rendezvous, for the others to read its verdict
 TIMED_BYTES = 64 * 2**20  # the timed all-reduce: large enough that the network, not latency, sets its time
 TIMED_REPEATS = 3
+STEP_WARMUP, STEP_REPEATS = 3, 7  # the timed training step: steps first run untimed, then steps timed (their median)
+PAIR_BYTES = 16 * 2**20  # sent each way between two nodes: large enough that the link, not latency, sets its time
+PAIR_REPEATS = 5  # timed passes over every pair of nodes, after one untimed (a pair's fastest counts)
+PAIR_BUDGET = 15.0  # seconds of the pairs' passes after which no further timed pass starts (one always runs)
+STEP_NOISE = 0.002  # seconds: a step slower by less is noise (a GPU step's jitter), however many times the others
 PREFIX = "mnist-ddp-check"  # its keys, apart from any others in torchrun's store
 
 
@@ -83,7 +107,7 @@ def describe_rank(rank: int, device: torch.device, backend: str) -> dict:
     if device.type == "cuda":
         versions += f", NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
     return {
-        "rank": rank, "host": socket.gethostname(),
+        "rank": rank, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         "device": f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device),
         "cpus": f"{len(cpus)} CPU{'s' if len(cpus) > 1 else ''} ({cpu_list(cpus)})",
         "gpus": f"{gpus} GPU{'s' if gpus != 1 else ''}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""),
@@ -121,8 +145,17 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def check_job(options: RunOptions, launch: Launch) -> int:
-    """Run the check as this rank; returns the exit code."""
+def first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)[:200]
+
+
+# The recipe's fixed piece of work that every rank times (mnist_ddp.py's check_step): for
+# this rank's device, the words that name it and a function that runs it once.
+StepMaker = Callable[[torch.device], tuple[str, Callable[[], object]]]
+
+
+def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None = None) -> int:
+    """Run the check as this rank; returns the exit code. Without make_step no step is timed."""
     timeout = min(options.dist_timeout, CHECK_TIMEOUT)
     cuda = torch.cuda.is_available()
     device, backend = pick_device(options, launch, cuda, torch.cuda.device_count() if cuda else 0)
@@ -143,18 +176,19 @@ def check_job(options: RunOptions, launch: Launch) -> int:
         store = dist.TCPStore(launch.master_addr, launch.master_port, n, is_master=main and not agent_store,
                               timeout=timedelta(seconds=timeout + (0 if main else LATER)), wait_for_workers=False)
     except Exception as err:  # (DistNetworkError, a RuntimeError: cannot connect, or the port is taken)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if main and not agent_store:
             say(f"check failed: rank 0 on {me['host']} cannot open the rendezvous port {launch.master_addr}:"
-                f"{launch.master_port} ({first[:200]}); submit with another MASTER_PORT, or check MASTER_ADDR")
+                f"{launch.master_port} ({first_line(err)}); submit with another MASTER_PORT, or check MASTER_ADDR")
             return EXIT_LOST_PEER
         say(f"check failed: rank {rank} on {me['host']} cannot reach the rendezvous at {launch.master_addr}:"
-            f"{launch.master_port} within {timeout + (0 if main else LATER):g} s ({first[:200]}); {network_hints(launch, backend, me['host'])}")
+            f"{launch.master_port} within {timeout + (0 if main else LATER):g} s ({first_line(err)}); {network_hints(launch, backend, me['host'])}")
         return EXIT_LOST_PEER
     store = dist.PrefixStore(f"{PREFIX}/{launch.attempt}", store)
     store.set(f"joined/{rank}", json.dumps(me))
     if main:
         code, joined = wait_for_ranks(store, launch, backend, timeout)
+        nodes = [joined[r]["node"] for r in range(n)] if not code else []
+        store.set("nodes", json.dumps(nodes))  # (each rank's node, for the pairs of nodes below)
         store.set("verdict", str(code))
         if code:  # the ranks that came read it before rank 0, and the store, are gone
             wait_for_keys(store, [f"read/{r}" for r in joined if r], ACK_WAIT)
@@ -163,6 +197,7 @@ def check_job(options: RunOptions, launch: Launch) -> int:
         try:
             store.wait(["verdict"], timedelta(seconds=timeout + LATER))
             code = int(store.get("verdict"))
+            nodes = json.loads(store.get("nodes"))
             store.set(f"read/{rank}", "")
         except Exception:
             say(f"check failed: rank {rank} on {me['host']} heard nothing from rank 0 within {timeout + LATER:g} s")
@@ -177,26 +212,73 @@ def check_job(options: RunOptions, launch: Launch) -> int:
         right = known_answer(device, n)
         seconds = timed_all_reduce(device)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         say(f"check failed: the ranks met, but {backend} could not connect rank {rank} on {me['host']} with the others "
-            f"within {timeout:g} s ({first[:200]}); {network_hints(launch, backend, 'every node')}")
+            f"within {timeout:g} s ({first_line(err)}); {network_hints(launch, backend, 'every node')}")
         return EXIT_LOST_PEER
     if main:
-        joined = time.monotonic() - started
-        hosts = {json.loads(store.get(f"joined/{r}"))["host"] for r in range(n)}
+        hosts = {joined[r]["host"] for r in range(n)}
         say(f"check: the {backend} group of {n} ranks on {len(hosts)} host{'s' if len(hosts) > 1 else ''} connected in "
-            f"{joined:.1f} s")
+            f"{time.monotonic() - started:.1f} s")
         if not right:
             say(f"check failed: an all-reduce of 1 + 2 + ... + {n} did not give {n * (n + 1) // 2} on every rank: the "
                 f"backend or a device computes wrong sums; run it again, and report it to the site if it stays")
-            return EXIT_BUG
-        size = TIMED_BYTES / 2**20
-        bus = TIMED_BYTES * 2 * (n - 1) / n / seconds
-        say(f"check: the all-reduce with a known answer is right; a {size:.0f} MB all-reduce takes {seconds:.3f} s "
-            f"({TIMED_BYTES / seconds / 1e9:.2f} GB/s, bus bandwidth {bus / 1e9:.2f} GB/s)")
-        say(f"check passed in {process_age():.1f} s: every rank joined, connected and reduced correctly; training with "
-            "the same settings will meet")
-    return 0 if right else EXIT_BUG
+        else:
+            size = TIMED_BYTES / 2**20
+            bus = TIMED_BYTES * 2 * (n - 1) / n / seconds
+            say(f"check: the all-reduce with a known answer is right; a {size:.0f} MB all-reduce takes {seconds:.3f} s "
+                f"({TIMED_BYTES / seconds / 1e9:.2f} GB/s, bus bandwidth {bus / 1e9:.2f} GB/s)")
+    if not right:
+        return EXIT_BUG
+    # 3. The speeds: every rank's training step, and the link between each pair of nodes.
+    return check_speeds(make_step, device, nodes, me=me, hints=network_hints(launch, backend, "every node"))
+
+
+def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[str], *, me: dict, hints: str) -> int:
+    """Every rank times the recipe's step and the first ranks of the nodes their links; rank 0
+    prints the figures and names what is slow (exit 0 still), or a rank that could not run a
+    step (check_code). Returns the exit code."""
+    rank = me["rank"]
+    what, seconds = "a training step", math.nan
+    if make_step:
+        try:
+            what, step = make_step(device)
+            seconds = time_step(step, device)
+        except Exception as err:  # (it goes on to the collectives below, so that rank 0 names it)
+            say(f"check: rank {rank} on {me['host']} cannot run a training step on {device}: {first_line(err)}")
+            seconds = -math.inf if node_fault(err) else math.nan  # (-inf: a fault of its node's GPU)
+    try:
+        step_seconds = gather_step_times_all_ranks(seconds, device) if make_step else []
+        pair_seconds = time_pairs_of_nodes_all_ranks(device, nodes, rank)
+    except Exception as err:
+        say(f"check failed: rank {rank} on {me['host']} lost contact with the others while the speeds were timed "
+            f"({first_line(err)}); {hints}")
+        return EXIT_LOST_PEER
+    broken = [r for r, own in enumerate(step_seconds) if not math.isfinite(own)]
+    faulty = [r for r in broken if step_seconds[r] == -math.inf]
+    if rank == 0:
+        for line in speed_figures(what, step_seconds, pair_seconds):
+            say(line)
+        if broken:
+            say(f"check failed: {ranks_and_hosts(broken, nodes)} cannot run a training step on "
+                f"{'its device' if len(broken) == 1 else 'their devices'} (the line above from each says why); leave the "
+                f"node out, sbatch --exclude={','.join(dict.fromkeys(nodes[r] for r in broken))}, or report it to the site")
+        else:
+            slow = slow_lines(step_seconds, nodes, pair_seconds)
+            for line in slow:
+                say(line)
+            say(f"check passed in {process_age():.1f} s: every rank joined, connected and reduced correctly; training "
+                "with the same settings will meet" + ("; every step will wait for the slow ones above" if slow else ""))
+    return check_code(broken, faulty)
+
+
+def check_code(broken: list[int], faulty: list[int]) -> int:
+    """The check's exit code from the ranks that could not run a step (`broken`) and those of
+    them that failed on a fault of their node's GPU (`faulty`): 5 when every one did (the node's
+    fault, as in training), 1 when any other error stopped one (the recipe's or the
+    environment's), 0 when none."""
+    if not broken:
+        return 0
+    return EXIT_NODE_FAULT if set(broken) == set(faulty) else EXIT_BUG
 
 
 def table_line(info: dict) -> str:
@@ -214,25 +296,26 @@ def wait_for_keys(store, keys: list[str], timeout: float) -> list[str]:
     return missing
 
 
-def wait_for_ranks(store, launch: Launch, backend: str, timeout: float) -> tuple[int, list[int]]:
+def wait_for_ranks(store, launch: Launch, backend: str, timeout: float) -> tuple[int, dict[int, dict]]:
     """Rank 0: wait until every rank has joined, or the time is up; print who came (and who
-    did not). Returns the exit code and the ranks that joined."""
+    did not). Returns the exit code and the description of each rank that joined."""
     n = launch.world_size
     missing = [int(key.split("/")[1]) for key in wait_for_keys(store, [f"joined/{r}" for r in range(n)], timeout)]
     hosts = expected_hosts(n)
+    joined = {}
     for r in range(n):
         if r not in missing:
-            info = json.loads(store.get(f"joined/{r}"))
-            hosts[r] = info["host"]
-            say(f"check: rank {r}  {table_line(info)}")
+            joined[r] = json.loads(store.get(f"joined/{r}"))
+            hosts[r] = joined[r]["host"]
+            say(f"check: rank {r}  {table_line(joined[r])}")
     if not missing:
         say(f"check: all {n} ranks joined the rendezvous at {launch.master_addr}:{launch.master_port} in "
             f"{process_age():.1f} s")
-        return 0, list(range(n))
+        return 0, joined
     away = sorted({hosts[r] for r in missing if hosts[r]}) or ["their nodes"]
     say(f"check failed after {process_age():.0f} s: {ranks_and_hosts(missing, hosts)} never joined the rendezvous at "
         f"{launch.master_addr}:{launch.master_port} within {timeout:g} s; {network_hints(launch, backend, ', '.join(away))}")
-    return EXIT_LOST_PEER, [r for r in range(n) if r not in missing]
+    return EXIT_LOST_PEER, joined
 
 
 def known_answer(device: torch.device, n: int) -> bool:
@@ -260,3 +343,192 @@ def timed_all_reduce(device: torch.device) -> float:
     slowest = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
+
+
+# ----------------------------------------------------------------------------- the speeds
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(step: Callable[[], object], device: torch.device) -> float:
+    """The median seconds of `step` over STEP_REPEATS runs, after STEP_WARMUP untimed ones (the
+    first ones allocate memory and choose their kernels)."""
+    for _ in range(STEP_WARMUP):
+        step()
+    times = []
+    for _ in range(STEP_REPEATS):
+        synchronize(device)
+        started = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def gather_step_times_all_ranks(seconds: float, device: torch.device) -> list[float]:
+    """Every rank's seconds a step (NaN: it could not run one; -inf: for a fault of its node's
+    GPU), on every rank."""
+    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
+
+
+def pair_rounds(count: int) -> list[list[tuple[int, int]]]:
+    """Every pair of `count` nodes once, in rounds in which each node meets one other at most
+    (the circle method of a round-robin tournament): count - 1 rounds, or count if it is odd."""
+    seats = list(range(count)) + [-1] * (count % 2)  # (-1: the node facing it rests that round)
+    rounds = []
+    for _ in range(len(seats) - 1):
+        half = len(seats) // 2
+        rounds.append([(min(a, b), max(a, b)) for a, b in zip(seats[:half], reversed(seats[half:]), strict=True) if min(a, b) >= 0])
+        seats = [seats[0], seats[-1], *seats[1:-1]]
+    return [pairs for pairs in rounds if pairs]
+
+
+def exchange(peer: int, data: torch.Tensor, into: torch.Tensor) -> None:
+    """Send `data` to rank `peer` while receiving as much from it into `into` (what an
+    all-reduce of two ranks moves)."""
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, data, peer), dist.P2POp(dist.irecv, into, peer)]):
+        request.wait()
+    synchronize(data.device)
+
+
+def time_pairs_of_nodes_all_ranks(device: torch.device, nodes: list[str], rank: int) -> dict[tuple[str, str], float]:
+    """{(node, node): seconds} of an exchange of PAIR_BYTES each way between the first ranks of
+    each pair of nodes, on every rank. The first ranks go through pair_rounds' order (a round's
+    pairs share no node and run at once; no rank is in two exchanges at a time) 1 +
+    PAIR_REPEATS times, the first untimed (NCCL builds each pair's communicator), and a pair's
+    time is its fastest exchange: what the link can do, which a busy moment on either node
+    only slows, whereas a slow link (a NIC at a lower rate, a bad cable, a congested route) is
+    slow every time; the passes spread each pair's exchanges over the whole schedule, so that
+    one busy moment does not slow all of them. A small exchange before each timed one starts
+    both ends together. After each timed pass every rank learns whether the slowest first
+    rank has spent PAIR_BUDGET seconds on them (on many nodes, a pass is long), and then no
+    pass follows: the ranks agree, so that no first rank waits for a peer that stopped."""
+    names = list(dict.fromkeys(nodes))  # (in the order of their first ranks)
+    first = {node: nodes.index(node) for node in names}
+    pairs = [pair for round_pairs in pair_rounds(len(names)) for pair in round_pairs]
+    if not pairs:  # (one node)
+        return {}
+    times = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    began = time.monotonic()
+    peers: dict[int, int] = {}
+    if first[nodes[rank]] == rank:
+        me = names.index(nodes[rank])
+        peers = {i: first[names[b if me == a else a]] for i, (a, b) in enumerate(pairs) if me in (a, b)}
+        data, ready = torch.ones(PAIR_BYTES // 4, device=device), torch.ones(1, device=device)
+        into, ready_into = torch.empty_like(data), torch.empty_like(ready)
+    fastest = dict.fromkeys(peers, math.inf)
+    for timed in [False] + [True] * PAIR_REPEATS:
+        for i, peer in peers.items():
+            exchange(peer, ready, ready_into)
+            started = time.perf_counter()
+            exchange(peer, data, into)
+            if timed:
+                fastest[i] = min(fastest[i], time.perf_counter() - started)
+        if timed and over_budget_all_ranks(began, PAIR_BUDGET, device):
+            break
+    for i, seconds in fastest.items():
+        times[i] = seconds
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {(names[a], names[b]): seconds for (a, b), seconds in zip(pairs, times.tolist(), strict=True)}
+
+
+def over_budget_all_ranks(began: float, budget: float, device: torch.device) -> bool:
+    """Whether any rank has spent `budget` seconds since `began` (monotonic), on every rank
+    alike: a collective, which every rank must call at the same point."""
+    spent = torch.tensor([time.monotonic() - began], dtype=torch.float64, device=device)
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return spent.item() >= budget
+
+
+def speed_figures(what: str, step_seconds: list[float], pair_seconds: dict[tuple[str, str], float]) -> list[str]:
+    """Rank 0's lines of the median and the range of the step's time and of the pairs' exchange."""
+    lines = []
+    ms = [1000 * seconds for seconds in step_seconds if math.isfinite(seconds)]
+    if ms:
+        lines.append(f"check: {what} takes {statistics.median(ms):.1f} ms on the median rank ({min(ms):.1f}-"
+                     f"{max(ms):.1f} ms over {len(ms)} rank{'s' if len(ms) > 1 else ''})")
+    if pair_seconds:
+        times = list(pair_seconds.values())
+        lines.append(f"check: an exchange of {PAIR_BYTES // 2**20} MB each way between the first ranks of two nodes "
+                     f"takes {statistics.median(times):.3f} s for the median pair ({min(times):.3f}-{max(times):.3f} s "
+                     f"over {len(times)} pair{'s' if len(times) > 1 else ''})")
+    return lines
+
+
+def slower_than_the_others(times: dict, noise: float = 0.0) -> dict:
+    """{key: the median of the other keys' times} for each key whose time is more than
+    SLOW_FACTOR times that median, and more than `noise` seconds above it, as stragglers.py
+    judges a rank: a slow one cannot pull its own measure up, and of two, each is measured by
+    the other. None of fewer than two keys."""
+    ordered = sorted(times.values())
+    slow = {}
+    for key, seconds in times.items():
+        others = list(ordered)
+        others.remove(seconds)
+        if others and seconds > SLOW_FACTOR * statistics.median(others) and seconds - statistics.median(others) > noise:
+            slow[key] = statistics.median(others)
+    return slow
+
+
+def slow_lines(step_seconds: list[float], nodes: list[str], pair_seconds: dict[tuple[str, str], float]) -> list[str]:
+    """Rank 0's verdict on the speeds, one line for each node, rank or pair of nodes that is
+    slow, with the sbatch option that leaves the node out; none when nothing is.
+
+    step_seconds: each rank's median step ([] if none was timed); nodes: each rank's node;
+    pair_seconds: {(node, node): seconds} of each pair's exchange. A node's step is its fastest
+    rank's, so that a node is slow when all its ranks are; a rank is named apart only on a node
+    that is not (its device, its CPUs). A pair of nodes is slow
+    against the median node's fastest exchange, not the median pair: on three nodes, one with
+    a slow link slows two of the three pairs. A node in two slow pairs or more is named for
+    them all (the one that most share first), and a slow pair that shares no node with
+    another is named as a pair, since either end may be at fault."""
+    lines = []
+    named = set()
+    if step_seconds:
+        ranks_of = {node: [r for r in range(len(nodes)) if nodes[r] == node] for node in dict.fromkeys(nodes)}
+        node_seconds = {node: min(step_seconds[r] for r in ranks) for node, ranks in ranks_of.items()}
+        for node, others in slower_than_the_others(node_seconds, STEP_NOISE).items():
+            named.add(node)
+            ranks = ranks_of[node]
+            lines.append(f"check: node {node} is slow: a training step takes {1000 * node_seconds[node]:.1f} ms there "
+                         f"({f'the fastest of ranks {cpu_list(ranks)}' if len(ranks) > 1 else f'rank {ranks[0]}'}), "
+                         f"{node_seconds[node] / others:.1f}x the "
+                         f"other nodes' median of {1000 * others:.1f} ms (a node busy with another job, or throttled?); "
+                         f"leave it out: sbatch --exclude={node}")
+        for r, others in slower_than_the_others(dict(enumerate(step_seconds)), STEP_NOISE).items():
+            if nodes[r] not in named:
+                lines.append(f"check: rank {r} on {nodes[r]} is slow: a training step takes {1000 * step_seconds[r]:.1f} "
+                             f"ms, {step_seconds[r] / others:.1f}x the other ranks' median of {1000 * others:.1f} ms (its "
+                             f"device, or its CPUs?); leave its node out: sbatch --exclude={nodes[r]}")
+    if pair_seconds:
+        fastest = {}
+        for pair, seconds in pair_seconds.items():
+            for node in pair:
+                fastest[node] = min(fastest.get(node, math.inf), seconds)
+        typical = statistics.median(fastest.values())
+        order = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
+        slow = sorted((pair for pair, seconds in pair_seconds.items() if seconds > SLOW_FACTOR * typical),
+                      key=lambda pair: sorted(order.get(node, len(order)) for node in pair))
+        exchange = f"an exchange of {PAIR_BYTES // 2**20} MB"
+        measure = f"the median node's fastest exchange of {typical:.3f} s"
+        while slow:
+            node, count = Counter(end for pair in slow for end in pair).most_common(1)[0]
+            if count < 2:
+                break
+            mine = [pair for pair in slow if node in pair]
+            slow = [pair for pair in slow if node not in pair]
+            partners = [b if a == node else a for a, b in mine]
+            times = [pair_seconds[pair] for pair in mine]
+            took = f"{min(times):.3f}" + (f"-{max(times):.3f}" if f"{max(times):.3f}" != f"{min(times):.3f}" else "")
+            lines.append(f"check: the network of node {node} is slow: {exchange} with {', '.join(partners)} takes "
+                         f"{took} s, up to {max(times) / typical:.1f}x {measure}; leave it out: sbatch --exclude={node}")
+        for a, b in slow:
+            lines.append(f"check: the link between {a} and {b} is slow: {exchange} takes {pair_seconds[(a, b)]:.3f} s, "
+                         f"{pair_seconds[(a, b)] / typical:.1f}x {measure}; leave one of them out: sbatch --exclude={a} "
+                         f"(or --exclude={b})")
+    return lines

@@ -31,6 +31,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class Peer:
     rank: int
     host: str
     pid: int
+    node: str = ""  # its node as Slurm names it (SLURMD_NODENAME), which may differ from its host's name
 
 
 def default_hang_after(dist_timeout: float) -> float:
@@ -215,19 +217,25 @@ def process_state(pid: int, proc: Path = Path("/proc")) -> str:
     return f"alive but silent (state {letter}, {words}{wchan})"
 
 
+def not_waiting(summaries: dict[int, dict], peers: list[Peer]) -> list[Peer]:
+    """The ranks that have not reached the collective the others wait in (no answer, seen
+    from outside, or elsewhere): those a hang report names."""
+    return [peer for peer in peers if not summaries.get(peer.rank, {}).get("waiting")]
+
+
 def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, folder: Path) -> str:
     """The one line: the ranks that have not reached the collective the others wait in,
     their hosts and where each is; then where the stacks are."""
     waiting = {r: s for r, s in summaries.items() if s.get("waiting")}
     labels = sorted({s["waiting"] for s in waiting.values()}, key=lambda w: -sum(s["waiting"] == w for s in waiting.values()))
     behind = []
-    for peer in peers:
+    for peer in not_waiting(summaries, peers):
         summary = summaries.get(peer.rank)
         if summary is None:
             behind.append(f"rank {peer.rank} on {peer.host}: no answer")
         elif summary.get("outside"):
             behind.append(f"rank {peer.rank} on {peer.host} is {summary['outside']}")
-        elif not summary.get("waiting"):
+        else:
             busy = f" ({summary['busy']})" if summary.get("busy") else ""
             behind.append(f"rank {peer.rank} on {peer.host} is at {summary['where']}{busy}")
     step = min((s["step"] for s in summaries.values() if "step" in s), default=0)
@@ -244,8 +252,15 @@ class HangWatch:
     """This rank's watchdog: a thread that looks every TICK at what the main thread does."""
 
     def __init__(self, *, rank: int, peers: list[Peer], folder: Path, hang_after: float, roots: tuple[Path, ...],
-                 stream=None):
-        self.rank, self.peers, self.hang_after, self.roots = rank, peers, hang_after, roots
+                 stream=None, named: Callable[[list[Peer]], None] = lambda peers: None,
+                 resolved: Callable[[], None] = lambda: None):
+        """`named`: called with the ranks a verdict names as those the others wait for, by the
+        rank that prints it (the job runner tells the job's supervisor); `resolved`: called
+        by that rank once the run finished a step after it, the wait over (the supervisor must
+        not pin a failure on a node for a hang that ended)."""
+        self.rank, self.peers, self.hang_after, self.roots, self.named = rank, peers, hang_after, roots, named
+        self.resolved = resolved
+        self.named_after: int | None = None  # the steps finished when a verdict named ranks, until it resolves
         self.folder = folder.resolve()
         self.stream = stream or sys.stderr
         self.host = socket.gethostname()
@@ -278,10 +293,19 @@ class HangWatch:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # (only when empty)
 
+    def forget_a_resolved_hang(self) -> None:
+        """Once the run finished a step after the one a verdict named ranks at, the wait ended:
+        the ranks it named are no longer those the others wait for. (Not when the wait merely
+        ends: a lost peer's error ends it too, and then the verdict stands.)"""
+        if self.named_after is not None and _step[0] > self.named_after:
+            self.named_after = None
+            self.resolved()
+
     def watch(self) -> None:
         while not self.stopped.wait(TICK):
             try:
                 self.arm_faulthandler()
+                self.forget_a_resolved_hang()
                 now = _doing[0]
                 if now is None:
                     continue
@@ -351,6 +375,9 @@ class HangWatch:
             line = verdict_line(summaries, self.peers, time.monotonic() - since, self.folder)
             (self.folder / "verdict.txt").write_text(line + "\n")
             print(f"{line}; --dist-timeout ends the wait", file=self.stream, flush=True)
+            if behind := not_waiting(summaries, self.peers):
+                self.named(behind)
+                self.named_after = _step[0]
 
     def stacks_of(self, peer: Peer) -> str:
         """A peer's stacks as faulthandler wrote them, or ""."""

@@ -32,11 +32,13 @@ from ddpkit.contract import (
     EXIT_BUG,
     EXIT_DIVERGED,
     EXIT_LOST_PEER,
+    EXIT_NODE_FAULT,
     EXIT_STOPPED,
     EXIT_USAGE,
     FIRST_START_ONLY,
     JobEnv,
     JobPaths,
+    hung_text,
     requeue_job,
     resubmit_start,
 )
@@ -49,7 +51,7 @@ from ddpkit.distributed import (
     nondeterministic_operation,
     teardown_distributed,
 )
-from ddpkit.doctor import check_job
+from ddpkit.doctor import StepMaker, check_job
 from ddpkit.hangs import KIT, HangWatch, Peer, default_hang_after
 from ddpkit.launch import (
     INTERRUPTED,
@@ -63,11 +65,13 @@ from ddpkit.launch import (
     UsageError,
     read_launch_env,
     record_exit,
+    record_node_fault,
+    remove_exit_file,
     unfixable_exit,
     write_exit_file,
 )
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
-from ddpkit.recovery import is_lost_peer, lost_peer_message, storage_problem
+from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
 from ddpkit.time_limit import TimeLimit, read_job_times
@@ -201,8 +205,10 @@ class Job:
         saved_options = {**dataclasses.asdict(self.recipe), **dataclasses.asdict(self.options)}
         if rt.is_main:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
-            # (for the job's supervisor, which goes on with fewer ranks after it lost nodes)
+            # (for the job's supervisor, which goes on with fewer ranks after it lost nodes, and
+            # pins a rank's failure on its node)
             write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
+            write_exit_file(self.launch, JobPaths.NODES, "".join(f"{peer.node}\n" for peer in peers))
         self.describe_run(plan, ckpt_path)
         around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
                               startup=self.startup if rt.is_main else None,
@@ -248,24 +254,33 @@ class Job:
         return ckpt_path, changed, loss_sums
 
     def meet_the_other_ranks(self) -> tuple[list[Peer], str]:
-        """Every rank's host and process id, in rank order, and when rank 0 started this attempt
-        (the name of its hang reports' folder); the job's attempt becomes the highest any rank
-        counts (torchrun's agents count their restarts each on their own)."""
-        starts = gather_to_all((socket.gethostname(), self.launch.attempt, os.getpid(), time.strftime("%Y%m%d-%H%M%S")),
-                               "sharing the host names")
+        """Every rank's host, process id and Slurm node, in rank order, and when rank 0 started
+        this attempt (the name of its hang reports' folder); the job's attempt becomes the
+        highest any rank counts (torchrun's agents count their restarts each on their own)."""
+        starts = gather_to_all((socket.gethostname(), self.launch.attempt, os.getpid(), time.strftime("%Y%m%d-%H%M%S"),
+                                self.launch.node), "sharing the host names")
         self.launch = dataclasses.replace(self.launch, attempt=max((start[1] for start in starts),
                                                                    key=lambda a: int(a.split("/")[0])))
-        return [Peer(rank, host, pid) for rank, (host, _, pid, _) in enumerate(starts)], starts[0][3]
+        return [Peer(rank, host, pid, node) for rank, (host, _, pid, _, node) in enumerate(starts)], starts[0][3]
 
     def watch_for_hangs(self, peers: list[Peer], attempt_started: str) -> None:
         """With several ranks, this rank's watchdog: a wait on the others longer than --hang-after
-        leaves every rank's stacks in RUN_DIR/hangs/<attempt_started> and one line (hangs.py)."""
+        leaves every rank's stacks in RUN_DIR/hangs/<attempt_started> and one line (hangs.py);
+        the ranks that line names are left for the job's supervisor, which pins a failure on
+        their nodes."""
         options = self.options
         hang_after = default_hang_after(options.dist_timeout) if options.hang_after == 0 else options.hang_after
         if self.rt.world_size > 1 and hang_after > 0:
             roots = (Path(sys.argv[0]).resolve().parent, KIT)  # (the recipe's folder, ddpkit/)
+
+            def named(behind: list[Peer]) -> None:
+                write_exit_file(self.launch, JobPaths.HUNG, hung_text([(peer.rank, peer.node) for peer in behind]))
+
+            def resolved() -> None:
+                remove_exit_file(self.launch, JobPaths.HUNG)
+
             self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
-                                        hang_after=hang_after, roots=roots).start()
+                                        hang_after=hang_after, roots=roots, named=named, resolved=resolved).start()
 
     def start_log(self, saved_options: dict, hparams: HParams, hosts: list[str], classes: tuple[str, ...],
                   ckpt_path: str, changed: str) -> None:
@@ -351,9 +366,10 @@ def fail(err: Exception | str, code: int = EXIT_USAGE, who: str = "") -> int:
 
 
 def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, manual: str = "",
-            stop: StopSignals | None = None) -> int:
+            stop: StopSignals | None = None, check_step: StepMaker | None = None) -> int:
     """Run `body` (the recipe's part: data, model, loop) as this process's part of the job
-    and return the exit code; every ending is one line and a code (see the manual). After a
+    and return the exit code; every ending is one line and a code (see the manual). With
+    --check, the doctor runs instead, and times `check_step`'s step on every rank. After a
     lost peer (4) in a process group, the process ends here with that code instead
     (distributed.leave_after_lost_peer)."""
     startup = StartupClock()  # first: its "imports" are the time since the process started
@@ -369,7 +385,7 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         if options.check:
             stop.restore()  # nothing to save: a signal ends the check at once
-            code = check_job(options, launch)
+            code = check_job(options, launch, check_step)
             return code
         earlier = unfixable_earlier_exit(launch, who)
         if earlier:
@@ -387,6 +403,8 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
         code = fail(INTERRUPTED, 128 + signal.SIGINT, who)
     except Exception as err:
         code = fail(*failure(err, job, options), who=who)
+        if code == EXIT_NODE_FAULT:
+            record_node_fault(node_fault(err), launch)
     finally:
         end_job(code, launch, job)
         stop.restore()
@@ -419,8 +437,14 @@ def run_body(body: Callable[[Job], None], job: Job) -> int:
 
 
 def failure(err: Exception, job: Job | None, options: RunOptions | None) -> tuple[str, int]:
-    """(the line, the exit code) of an exception no one expected by its type: a lost peer, a
-    storage problem, an operation --deterministic refused, or a bug (its traceback printed)."""
+    """(the line, the exit code) of an exception no one expected by its type: a fault of this
+    rank's node, a lost peer, a storage problem, an operation --deterministic refused, or a
+    bug (its traceback printed)."""
+    if fault := node_fault(err):  # (before a lost peer: NCCL's errors are c10d's too)
+        first = str(err).strip().splitlines()[0][:200]
+        return (f"{fault}: a fault of this rank's node, not of the run ({first}). Nothing saved is lost: "
+                "run_training.sbatch restarts from the newest checkpoint, and leaves the node out once a second failure "
+                "is pinned on it; elsewhere run the same command again, on other nodes"), EXIT_NODE_FAULT
     if is_lost_peer(err):
         return lost_peer_message(err, job.progress if job else Progress()), EXIT_LOST_PEER
     if problem := storage_problem(err, options):

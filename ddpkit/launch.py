@@ -10,13 +10,14 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, port_from_job_id, read_codes, this_job
+from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
 
 PROG = "mnist_ddp.py"
 INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"
@@ -142,6 +143,7 @@ class Launch:
     exit_dir: str = ""          # where each rank records its exit code as rank-<r> (run_training.sbatch reads them)
     requeues: int = 0           # how often Slurm has requeued this job (SLURM_RESTART_COUNT)
     nodes: int = 1              # machines the ranks run on
+    node: str = ""              # this machine as Slurm names it (SLURMD_NODENAME), else its host name
 
     @property
     def continues_job(self) -> bool:
@@ -253,7 +255,7 @@ def read_launch_env(env: Mapping[str, str], alone_ok: bool = False) -> Launch:
     if not re.fullmatch(r"[1-9]\d*/[1-9]\d*", attempt):
         raise UsageError(f"{JobEnv.ATTEMPT}={attempt!r} is not k/N; unset it")
     launch = dataclasses.replace(launch, gpus_granted=gpus_granted(env), attempt=attempt,
-                                 exit_dir=env.get(JobEnv.EXIT_DIR, ""),
+                                 exit_dir=env.get(JobEnv.EXIT_DIR, ""), node=env.get("SLURMD_NODENAME") or socket.gethostname(),
                                  requeues=_int_var(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0)
     if launch.source == "torchrun":
         launch = dataclasses.replace(launch, nodes=max(1, launch.world_size // launch.local_world_size))
@@ -277,12 +279,27 @@ def write_exit_file(launch: Launch, name: str, text: str) -> None:
         Path(launch.exit_dir, name).write_text(text)
 
 
+def remove_exit_file(launch: Launch, name: str) -> None:
+    """Take back a file left for the job's supervisor (write_exit_file), if it is there."""
+    if launch.exit_dir:
+        with contextlib.suppress(OSError):
+            Path(launch.exit_dir, name).unlink()
+
+
 def record_exit(code: int, launch: Launch | None) -> None:
     """Leave this rank's exit code where run_training.sbatch reads it: it restarts after
     a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
     if launch:
         with contextlib.suppress(OSError):
             write_exit_file(launch, JobPaths.RANK_CODE.format(launch.rank), f"{code}\n")
+
+
+def record_node_fault(fault: str, launch: Launch | None) -> None:
+    """Tell the job's supervisor that this rank's node failed it (exit 5) and how (`fault`, the
+    error's class): it pins the failure on that node. Before the exit code, which ends the wait."""
+    if launch:
+        with contextlib.suppress(OSError):
+            write_exit_file(launch, JobPaths.NODE_FAULT.format(launch.rank), node_fault_text(launch.node, fault))
 
 
 def unfixable_exit(launch: Launch) -> tuple[int, str]:

@@ -1,6 +1,8 @@
 """Agreement and recovery: what the ranks agree on after each step (a stop signal, a loss
 that is not finite, a checkpoint due by the clock), and how a failure is told apart and
-named: a lost peer (exit 4, which a restart fixes), a storage problem the user fixes (exit 2)."""
+named: a lost peer (exit 4, which a restart fixes), a fault of this rank's node's GPU (ECC,
+NVLink, a busy device: exit 5, which a restart fixes, elsewhere if need be), a storage
+problem the user fixes (exit 2)."""
 
 import errno
 import math
@@ -140,6 +142,37 @@ def is_lost_peer(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and re.search(
         r"connection (closed|reset) by peer|timed out|timeout caused|broken pipe|connection refused|gloo/transport",
         str(err), re.IGNORECASE) is not None
+
+
+# CUDA's errors that tell of the node's GPU itself (cudaError_t's texts, as torch raises them,
+# "CUDA error: <text>", and as NCCL's failed CUDA call names its last error): its memory
+# (uncorrectable ECC), its links (NVLink), a device busy or unavailable (another process holds
+# it, or it fell off the bus). Others, however much they look like the GPU's, are the run's own
+# more often than not, and a restart elsewhere would hide a bug: an illegal memory access, an
+# unspecified launch failure or a launch timeout (a kernel's bug), an initialization error or
+# an unknown error (the environment: drivers, CUDA_VISIBLE_DEVICES), out of memory or an
+# invalid device ordinal (the run's size, its device): exit 1, as before.
+NODE_GPU_FAULTS = re.compile(r"uncorrectable ECC error encountered|uncorrectable NVLink error|"
+                             r"CUDA-capable device\(s\) is/are busy or unavailable")
+# NCCL's failed CUDA call on this rank's GPU (ncclUnhandledCudaError), a node's fault only when
+# the CUDA error it wraps is one of those. NCCL's others are a lost peer (ncclRemoteError, a
+# timeout: exit 4) or a bug (an invalid argument or usage).
+NODE_NCCL_ERROR = re.compile(r"unhandled cuda error|ncclUnhandledCudaError")
+
+
+def node_fault(err: BaseException) -> str:
+    """The class of a CUDA or NCCL error that tells of a fault of this rank's node's GPU (ECC,
+    NVLink, a busy device), e.g. "CUDA error: uncorrectable ECC error encountered"; "" for
+    any other error."""
+    if not isinstance(err, RuntimeError):  # (torch's AcceleratorError and c10d's DistBackendError are ones)
+        return ""
+    text = str(err)
+    gpu = NODE_GPU_FAULTS.search(text)
+    if not gpu:
+        return ""
+    if "CUDA error: " + gpu.group() in text:
+        return "CUDA error: " + gpu.group()
+    return f"NCCL error: unhandled cuda error ({gpu.group()})" if NODE_NCCL_ERROR.search(text) else ""
 
 
 def lost_peer_message(err: BaseException, progress: Progress) -> str:

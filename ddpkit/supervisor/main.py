@@ -4,8 +4,10 @@ variables, listed in docs/clusters.md: settings.py), keeps a copy of the code th
 (snapshot.py), checks the ranks' interpreter (PREFLIGHT), starts the ranks as one srun step
 or one torchrun per node (step.py), decides from their exit codes what happened
 (outcome.py), starts the step again after a killed rank or a lost peer (on the nodes left,
-with MIN_NODES, when a node was lost), requeues the job after a stop that asks for it, and
-prints the line that continues the run. What it and the ranks must agree on is
+with MIN_NODES, when a node was lost; without a node that two failures were pinned on,
+nodes.py), requeues the job after a stop that asks for it (or,
+where Slurm does not, submits the job that continues the run: CHAIN), and prints the line
+that continues the run. What it and the ranks must agree on is
 ddpkit/contract.py; no rank imports this package.
 
 It runs on the host with the python3 on the PATH (the active environment's, else the
@@ -29,31 +31,50 @@ import socket
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 if __name__ == "__main__" and not __package__:  # run as a file: ddpkit is the parent of its directory's parent
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (after the path above)
 from ddpkit import sweeplines
 from ddpkit.contract import (
+    EXIT_BUG,
     EXIT_DIVERGED,
     EXIT_STOPPED,
     EXIT_USAGE,
+    SCONTROL_TIMEOUT,
     JobEnv,
     JobPaths,
     continuing_args,
     job_fields,
+    last_line,
     read_codes,
     requeue_job,
+    run,
     show_job,
     this_job,
     unix_time,
+)
+from ddpkit.supervisor.nodes import (
+    Pin,
+    failure_pins,
+    leave_out_line,
+    left_out,
+    of_one_step,
+    ranks_on_two_nodes,
+    read_lines,
+    read_pins,
+    record_pins,
+    run_failure_line,
+    with_excluded,
 )
 from ddpkit.supervisor.outcome import Outcome, nodes_to_go_on_with, read_world_sizes, settle
 from ddpkit.supervisor.settings import PROG, JobError, Settings, ranks_python, read_settings
 from ddpkit.supervisor.snapshot import code_copy, take_snapshot
 from ddpkit.supervisor.step import (
+    chained_submission,
     flight_recorder,
+    hostnames,
     master_address,
     preflight,
     resubmit_line,
@@ -64,6 +85,10 @@ from ddpkit.supervisor.step import (
 
 ENTRY = os.path.join("ddpkit", "supervisor", "main.py")  # this file, in the project and in a copy of its code
 REQUEUE_WAIT = 120  # seconds to wait for Slurm to end this job after a requeue, before the END line
+SBATCH_TIMEOUT = 60.0  # seconds for the sbatch that chains the next job (a busy controller answers slowly)
+# The states of a job that Slurm will still run, or runs: a job CHAIN submitted in one of them
+# already continues the run (`scontrol show job`'s JobState).
+QUEUED = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 
 
 def now() -> str:
@@ -78,6 +103,11 @@ class Supervisor:
         self.monitor = None  # type: Optional[subprocess.Popen]
         self.end_time = None  # type: Optional[int]
         self.resubmit = ""  # the beginning of the sbatch line that continues the run (resubmit_line)
+        self.handed_over = dict(os.environ)  # the job's environment before the supervisor sets any (for CHAIN)
+        self.not_requeued = False  # a stop asked for a requeue, and Slurm did not make it
+        # This job started again with nodes left out (a requeue that left them out): it is not
+        # requeued a second time to leave a node out (each round might leave out another).
+        self.left_out_at_start = False
 
     def start(self) -> None:
         """The ranks' environment, the START and PREFLIGHT lines, the GPU monitor."""
@@ -169,7 +199,14 @@ class Supervisor:
         if start and self.end_time:
             env[JobEnv.JOB_TIMES] = f"{start} {self.end_time}"
         env[JobEnv.RESUBMIT] = self.resubmit = resubmit_line(s, env, self.fields)
+        if int(env.get("SLURM_RESTART_COUNT") or 0) > 0:  # (the world sizes the job's last start left, before they go)
+            self.leave_out_from_the_start(read_world_sizes(s.job_dir, s.ntasks))
         shutil.rmtree(s.job_dir, ignore_errors=True)
+        if chained_job(s.run_dir) == s.job:  # this job, chained to continue the run, runs now: no longer queued
+            try:
+                os.remove(os.path.join(s.run_dir, JobPaths.CHAINED_JOB))
+            except OSError:
+                pass
         signal.signal(getattr(signal, "SIG" + s.signal), self.forward_signal)
         script = os.path.join(code, os.path.basename(s.script)) if code else s.script
         requeued = int(env.get("SLURM_RESTART_COUNT") or 0) > 0
@@ -177,15 +214,16 @@ class Supervisor:
         for attempt in range(1, attempts + 1):
             train = training_args(s, script, first_start=attempt == 1 and not requeued)
             for name in os.listdir(s.job_dir) if os.path.isdir(s.job_dir) else []:
-                if JobPaths.is_rank_code(name) or name == JobPaths.REQUEUE:
+                if JobPaths.is_rank_code(name) or name == JobPaths.REQUEUE or of_one_step(name):
                     os.remove(os.path.join(s.job_dir, name))
             env[JobEnv.ATTEMPT] = f"{attempt}/{attempts}"
             outcome = settle(self.run_step(step_command(s, self.task_file, train)), read_codes(s.job_dir), s.ntasks)
             if outcome.note:
                 print(outcome.note, flush=True)
+            held = self.pin_failure(outcome, attempt) if outcome.retry else {}
             if not (s.launcher == "srun" and outcome.retry and attempt < attempts):
                 break
-            fewer = self.nodes_held_now(outcome)
+            fewer = self.nodes_held_now(outcome, held)
             if fewer is None:
                 break  # (too few nodes left: requeued, or it could not be)
             print(f"ATTEMPT {attempt + 1}/{attempts} after exit {outcome.status} ({outcome.why}): starting the step "
@@ -196,31 +234,175 @@ class Supervisor:
                 self.requeue(file.read().strip())
         return self.end(outcome, attempt if s.launcher == "srun" else attempts)
 
-    def nodes_held_now(self, outcome: Outcome) -> Optional[str]:
+    def nodes_held_now(self, outcome: Outcome, fields: Optional[Dict[str, str]] = None) -> Optional[str]:
         """After a step that a restart may fix: the nodes Slurm still gives the job (a lost node
-        leaves a job submitted with --no-kill running without it). With all of them, "": the
-        step starts again as it was. With fewer, and MIN_NODES and the run's batch allowing
-        it, the step goes on with the most of them it can use (what the ATTEMPT line adds);
-        with too few, the job is requeued (None; None too if Slurm would not)."""
+        leaves a job submitted with --no-kill running without it; `fields`: its scontrol fields,
+        when they were just read), less those the job leaves out (nodes.py). With all that the
+        step used, "": the step starts again as it was. With fewer, and MIN_NODES and the run's
+        batch allowing it, the step goes on with the most of them it can use, without those
+        left out (what the ATTEMPT line adds); with too few, the job is requeued, and Slurm
+        keeps it off those left out (None; None too if Slurm would not requeue it)."""
         s = self.s
-        fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
+        if not fields:
+            fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
         held = re.match(r"\d+", fields.get("NumNodes", ""))
-        if not held or int(held.group()) >= s.nodes:
+        if not held:
             return ""
-        held_nodes, ntasks = int(held.group()), s.ntasks
-        go_on = nodes_to_go_on_with(held_nodes, s.min_nodes, s.tasks_per_node, read_world_sizes(s.job_dir, s.ntasks))
-        lost = f"the job holds {held_nodes} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
+        count, ntasks, bad = int(held.group()), s.ntasks, self.left_out()
+        nodes = self.nodes_of(fields.get("NodeList", "")) if bad else []
+        bad_held = [node for node in nodes if node in bad and node not in s.excluded]
+        usable = [node for node in nodes if node not in bad]
+        leaves_out = len(usable) < len(nodes)  # (a node left out is held: count only the others)
+        if leaves_out:
+            count = len(usable)
+        if count >= s.nodes and not bad_held:
+            return ""
+        go_on = nodes_to_go_on_with(count, s.min_nodes, s.tasks_per_node, read_world_sizes(s.job_dir, s.ntasks))
+        lost = f"the job holds {held.group()} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
+        if leaves_out:
+            out = len(nodes) - len(usable)
+            lost += f", {count} without the {'node' if out == 1 else 'nodes'} it leaves out"
+        if not go_on and bad_held and self.left_out_at_start:  # (a second requeue might leave out a healthy node)
+            if int(held.group()) >= s.nodes:
+                return f" with {','.join(bad_held)} (not requeued a second time to leave a node out)"
+            outcome.why += f"; then {lost}, and it was requeued once already to leave a node out"
+            return None
         if not go_on:
             unset = "" if s.min_nodes_set else " (unset: every node of the job)"
             per_node = f"at {s.tasks_per_node} rank(s) a node"
-            why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if held_nodes < s.min_nodes else \
+            why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if count < s.min_nodes else \
                 f"and no count of them from MIN_NODES={s.min_nodes} up, {per_node}, keeps the global batch"
             self.stop_monitor()
             self.requeue(f"exit {outcome.status}: {lost}, {why}")
             outcome.why += f"; then {lost}, {why}, and it was not requeued"
             return None
         s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
-        return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s) instead of {ntasks}"
+        if leaves_out:  # (srun then runs the step on exactly the nodes chosen, rank 0 on the first)
+            chosen = usable[:go_on]
+            s.excluded = [node for node in nodes if node not in chosen]
+            if chosen[0] != nodes[0]:  # (the rendezvous was on a node left out)
+                os.environ["MASTER_ADDR"] = master_address({"SLURM_JOB_NODELIST": ",".join(chosen)})
+        instead = f" instead of {ntasks}" if s.ntasks != ntasks else ""
+        return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s){instead}"
+
+    # ----------------------------------------------------------------------------- the nodes left out
+
+    def leave_out_from_the_start(self, world_sizes: List[int]) -> None:
+        """A requeued job leaves out the nodes its record leaves out from its first step: srun
+        excludes those it holds again (Slurm could not keep it off them), on fewer nodes
+        where MIN_NODES and the batch allow; else it runs on them as before, and gives up after
+        MAX_RESTARTS, not requeued a second time to leave them out."""
+        s, bad = self.s, self.left_out()
+        if not bad:
+            return
+        self.left_out_at_start = True
+        nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
+        usable = [node for node in nodes if node not in bad]
+        if len(usable) == len(nodes):
+            return
+        held = ",".join(node for node in nodes if node in bad)
+        go_on = nodes_to_go_on_with(min(len(usable), s.nodes), s.min_nodes, s.tasks_per_node, world_sizes)
+        if not go_on:
+            print(f"the job holds {held} again, which it leaves out, and too few nodes without it (MIN_NODES="
+                  f"{s.min_nodes}): it runs on them, and is not requeued again to leave them out", flush=True)
+            return
+        ntasks = s.ntasks
+        s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
+        chosen = usable[:go_on]
+        s.excluded = [node for node in nodes if node not in chosen]
+        if chosen[0] != nodes[0]:  # (the rendezvous was on a node left out)
+            os.environ["MASTER_ADDR"] = master_address({"SLURM_JOB_NODELIST": ",".join(chosen)})
+        instead = f" instead of {ntasks}" if s.ntasks != ntasks else ""
+        print(f"the job holds {held} again, which it leaves out: its step runs on {go_on} node(s) with {s.ntasks} "
+              f"rank(s){instead}, without it", flush=True)
+
+    def node_record(self) -> str:
+        return JobPaths.node_failures(self.s.run_dir, self.s.job)
+
+    def left_out(self) -> List[str]:
+        """The nodes this job leaves out: those two of its failures were pinned on (nodes.py)."""
+        return left_out(read_pins(self.node_record()))
+
+    def nodes_of(self, nodelist: str) -> List[str]:
+        """The nodes of a node list, [] when scontrol cannot say."""
+        try:
+            return hostnames(nodelist)
+        except (OSError, subprocess.SubprocessError):
+            return []
+
+    def pin_failure(self, outcome: Outcome, attempt: int) -> Dict[str, str]:
+        """Pin a failure that a restart may fix on the nodes it names (nodes.py) and on those the
+        job lost, in the job's record; a node pinned twice is left out from now on, which one
+        line says, and which the line that continues the run excludes. The job's scontrol
+        fields, as read now ({} on one node)."""
+        s = self.s
+        fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
+        step = read_lines(os.path.join(s.job_dir, JobPaths.NODES))
+        if not step:  # (the ranks never met: the nodes the step was given)
+            step = [node for node in self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")) if node not in s.excluded]
+            step = step[:s.nodes]
+        pins = failure_pins(s.job_dir, outcome, step)
+        held = self.nodes_of(fields.get("NodeList", "")) if fields else []
+        # (only the job's own nodes: a rank that could not name its node, as in a container
+        # without SLURMD_NODENAME, names another, which the job never held nor lost)
+        job_nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
+        pins = {node: pin for node, pin in pins.items() if node in job_nodes or not job_nodes}
+        for node in step:
+            if held and node not in held and node in job_nodes:
+                pins[node] = Pin("", "the job lost it (Slurm took it from the job)")
+        requeues = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        failure = f"attempt {attempt}{f' after {requeues} requeue(s)' if requeues else ''}, exit {outcome.status}"
+        before, record = self.left_out(), read_pins(self.node_record())
+        try:
+            pinned = record_pins(self.node_record(), pins, failure)
+        except OSError as err:
+            print(f"could not record which node the failure was pinned on ({err})", flush=True)
+            return fields
+        wandering = ranks_on_two_nodes(record)
+        for rank, nodes in ranks_on_two_nodes(pinned).items():
+            if rank not in wandering:
+                print(run_failure_line(rank, nodes), flush=True)
+        new = [node for node in left_out(pinned) if node not in before]
+        for node in new:
+            print(leave_out_line(node, pinned[node]), flush=True)
+        if new:
+            self.exclude_in_line(new)
+        return fields
+
+    def exclude_in_line(self, nodes: List[str]) -> None:
+        """The line that continues the run excludes `nodes` too: the one the ranks get, and rank
+        0's line of the step that ended."""
+        s, old = self.s, self.resubmit
+        self.fields["ExcNodeList"] = with_excluded(self.fields.get("ExcNodeList", ""), nodes)
+        os.environ[JobEnv.RESUBMIT] = self.resubmit = resubmit_line(s, os.environ, self.fields)
+        path = os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)
+        line = " ".join(read_lines(path))
+        if line.startswith(old + " "):
+            try:
+                with open(path, "w") as file:
+                    file.write(self.resubmit + line[len(old):] + "\n")
+            except OSError as err:  # (the job goes on: the line after END then lacks the --exclude)
+                print(f"could not add --exclude={','.join(nodes)} to the line that continues the run ({err})",
+                      flush=True)
+
+    def exclude_left_out(self) -> None:
+        """Right after a requeue, while the job waits to run again: Slurm keeps it off the nodes
+        it left out (a job's ExcNodeList outlives its requeue). Slurm changes the ExcNodeList of
+        a pending job alone ("Job is no longer pending execution" before the requeue); the
+        SIGTERM with which it ends this job meanwhile is held off (SIGKILL follows KillWait
+        seconds later, 30 by default)."""
+        s = self.s
+        if not self.left_out():
+            return
+        excluded = with_excluded(self.fields.get("ExcNodeList", ""), self.left_out())
+        try:
+            result = run(["scontrol", "update", f"JobId={s.job}", f"ExcNodeList={excluded}"], SCONTROL_TIMEOUT)
+            why = (last_line(result.stderr) or f"exit {result.returncode}") if result.returncode != 0 else ""
+        except (OSError, subprocess.SubprocessError) as err:
+            why = str(err)
+        if why:
+            print(f"could not keep Slurm job {s.job} off {excluded} (scontrol update: {why}); it may run there again, "
+                  "and leave them out again", flush=True)
 
     def requeue(self, after: str) -> None:
         """Requeue the job (the ranks saved and stopped on a signal that asks for it, or too few
@@ -229,26 +411,45 @@ class Supervisor:
         s = self.s
         if not shutil.which("scontrol"):
             print(f"could not requeue Slurm job {s.job} (no scontrol on the PATH of the batch step)")
+            self.not_requeued = True
             return
         before = f" ({self.end_time - int(time.time())} s before the job's time limit)" if self.end_time else ""
 
+        held_off = []  # (SIGTERM's handler, while it is held off)
+
         def about_to_requeue() -> None:
             signal.signal(getattr(signal, "SIG" + s.signal), signal.SIG_DFL)  # (Slurm's own signal now ends this job)
+            if self.left_out():  # (until the nodes left out are excluded, right after the requeue)
+                held_off.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))
             try:
                 os.remove(os.path.join(s.run_dir, JobPaths.EXIT_CODE))  # (not "stopped" while the job waits to run again)
             except OSError:
                 pass
 
-        if requeue_job(s.job, after, before, about_to_requeue=about_to_requeue):
+        requeued = requeue_job(s.job, after, before, about_to_requeue=about_to_requeue)
+        if requeued:
+            self.exclude_left_out()
+        if held_off:
+            signal.signal(signal.SIGTERM, held_off[0])
+        if requeued:
             time.sleep(REQUEUE_WAIT)  # (Slurm ends this process now; past this, the END line tells)
+        else:
+            self.not_requeued = True
 
     def end(self, outcome: Outcome, attempts: int) -> int:
-        """The END line, the job's outcome in RUN_DIR/exit-code (for sweep.py summary and whoever
-        reads the run directory), and the line that continues the run."""
+        """The job that continues the run, when CHAIN asks for it and Slurm did not requeue this
+        one after a stop that needed it; the END line, the job's outcome in RUN_DIR/exit-code
+        (for sweep.py summary and whoever reads the run directory), and the line that continues
+        the run."""
         s, status = self.s, outcome.status
+        line = self.continue_line() if status not in (0, EXIT_USAGE) else ""
+        # Not after a finished run (0) nor a failure that a new job would repeat (1, 2, 3).
+        next_job = self.chain(line) if self.not_requeued and s.chain and status not in (0, EXIT_BUG, EXIT_USAGE,
+                                                                                        EXIT_DIVERGED) else ""
         gave_up = f" gave up after {attempts} attempts ({outcome.why}; MAX_RESTARTS={s.max_restarts})" \
             if outcome.retry else ""
-        print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{gave_up}", flush=True)
+        chained = f" chained: Slurm job {next_job} continues the run" if next_job else ""
+        print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{gave_up}{chained}", flush=True)
         # Not when another job holds the run directory: that one's outcome is still to come.
         if not os.path.exists(os.path.join(s.job_dir, JobPaths.RUN_DIR_TAKEN)):
             try:
@@ -257,20 +458,71 @@ class Supervisor:
                     file.write(f"{status}\n")
             except OSError:
                 pass
-        if status not in (0, EXIT_USAGE):
+        if line:
             why = "to continue from the last checkpoint with a lower --lr" if status == EXIT_DIVERGED else \
                 "to continue from the newest checkpoint"
-            try:
-                with open(os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)) as file:
-                    line = file.read().strip()
-            except OSError:
-                line = ""
-            if not line:  # rank 0 ended before it wrote it: the options a restart would get
-                given = sweeplines.quote_words(continuing_args(s.sweep_args + s.args, s.run_dir))
-                line = f"{self.resubmit} {given}".rstrip()
-            print(f"{why}, from {shlex.quote(os.environ.get('SLURM_SUBMIT_DIR', os.getcwd()))}: {line}")
+            print(f"{why}, from {shlex.quote(submit_dir())}: {line}")
         sys.stdout.flush()
         return status
+
+    def continue_line(self) -> str:
+        """The sbatch line that continues the run: rank 0's, else the options a restart would get."""
+        s = self.s
+        try:
+            with open(os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)) as file:
+                line = file.read().strip()
+        except OSError:
+            line = ""
+        if not line:  # rank 0 ended before it wrote it
+            given = sweeplines.quote_words(continuing_args(s.sweep_args + s.args, s.run_dir))
+            line = f"{self.resubmit} {given}".rstrip()
+        return line
+
+    def chain(self, line: str) -> str:
+        """CHAIN: submit `line`, the sbatch line that continues the run (its CHAIN one fewer), as a
+        job that starts once this one has ended, and record its id in RUN_DIR/chained-job; unless
+        the job recorded there is still queued, which already continues the run. The new job's
+        id, said in one line; "" and one line that says why, where there is none."""
+        s = self.s
+        queued = chained_job(s.run_dir)
+        state = job_fields(show_job(queued)).get("JobState", "") if queued and queued != s.job else ""
+        if state in QUEUED:
+            print(f"not chaining another job: Slurm job {queued} ({state}) already continues the run "
+                  f"({os.path.join(s.run_dir, JobPaths.CHAINED_JOB)})", flush=True)
+            return ""
+        try:
+            command, env = chained_submission(line, s.job, self.handed_over)
+            result = run(command, SBATCH_TIMEOUT, env, cwd=submit_dir())
+            why = last_line(result.stderr) or f"exit {result.returncode}, printed '{last_line(result.stdout)}'"
+        except (OSError, subprocess.SubprocessError, ValueError) as err:
+            result, why = None, str(err)
+        new = last_line(result.stdout).partition(";")[0] if result and result.returncode == 0 else ""  # (ID;CLUSTER)
+        if not re.fullmatch(r"[0-9]+", new):
+            print(f"could not chain the job that continues the run (sbatch: {why}); submit the line below yourself",
+                  flush=True)
+            return ""
+        try:
+            with open(os.path.join(s.run_dir, JobPaths.CHAINED_JOB), "w") as file:
+                file.write(new + "\n")
+        except OSError:
+            pass
+        print(f"Slurm did not requeue job {s.job}: chained Slurm job {new}, which continues the run once this one "
+              f"has ended (sbatch --dependency=afterany:{s.job}, CHAIN={s.chain - 1})", flush=True)
+        return new
+
+
+def submit_dir() -> str:
+    """Where the job was submitted from, which the line that continues the run is run from."""
+    return os.environ.get("SLURM_SUBMIT_DIR", os.getcwd())
+
+
+def chained_job(run_dir: str) -> str:
+    """The id of the job CHAIN last submitted to continue the run (RUN_DIR/chained-job), or ""."""
+    try:
+        with open(os.path.join(run_dir, JobPaths.CHAINED_JOB)) as file:
+            return file.read().strip()
+    except OSError:
+        return ""
 
 
 def supervise(project: str, batch_file: str, environment: str, args: List[str]) -> int:

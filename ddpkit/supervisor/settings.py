@@ -20,6 +20,10 @@ SIGNALS = ("USR1", "TERM", "HUP", "INT")
 PASSED_ON = ("PROJECT_DIR", "SCRIPT", "SETUP", "CONDA_ENV", "VENV", "PYTHON", "NODE_DATA_DIR", "LAUNCHER",
              "MAX_RESTARTS", "MIN_NODES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CONTAINER",
              "CONTAINER_RUNTIME", "CONTAINER_CMD", "SIGNAL")
+# Every setting a job reads (run_training.sbatch's header lists them): the job that CHAIN
+# submits gets those its line sets and no other, as a shell that ran the line would.
+SETTINGS = PASSED_ON + ("SHARED_DIR", "SWEEP_FILE", "RUN_NAME", "DATA_DIR", "LOG_DIR", "MASTER_ADDR", "MASTER_PORT",
+                        "NCCL_DEBUG", "CHECK", "CHAIN")
 
 
 class JobError(Exception):
@@ -34,7 +38,9 @@ class Settings:
     passed_on = {}  # type: Dict[str, str]  # the PASSED_ON settings as given, before the supervisor sets any
     check = min_nodes_set = False
     max_restarts = master_port = ntasks = nodes = tasks_per_node = 0
+    chain = 0  # CHAIN: the jobs still to submit, one after another, where Slurm does not requeue a stopped job
     job_nodes = min_nodes = 0  # the nodes the job was given; the fewest it goes on with after losing some
+    excluded = []  # type: List[str]  # the job's nodes its step leaves out (a node left out, those a smaller step leaves)
     container = []  # type: List[str]      # words before each rank's command (Apptainer, Singularity, CONTAINER_CMD)
     container_srun = []  # type: List[str]  # srun's own options (Pyxis)
     container_desc = "none"
@@ -95,6 +101,7 @@ def read_settings(env: Mapping[str, str], *, project: str, batch_file: str, envi
     if s.signal not in SIGNALS:
         raise JobError(f"SIGNAL must be USR1, TERM, HUP or INT (without SIG), got '{s.signal}'")
     s.max_restarts = decimal(env, "MAX_RESTARTS", 0, 100, 3)
+    s.chain = decimal(env, "CHAIN", 0, 100, 0)
     s.master_port = decimal(env, "MASTER_PORT", 1024, 65535, port_from_job_id(env.get("SLURM_JOB_ID", "")))
     s.run_name = env.get("RUN_NAME") or default_run_name(s.job)
     if not is_run_name(s.run_name):

@@ -1,11 +1,12 @@
 """The job step that runs the ranks: the check that their interpreter imports torch
 (preflight), their command line (training_args), the srun or torchrun step (step_command),
-the sbatch line that continues the run (resubmit_line), the rendezvous's address and
-interface, NCCL's Flight Recorder, and `task`, what srun starts in each task. Python 3.6,
-standard library only."""
+the sbatch line that continues the run (resubmit_line) and its submission by CHAIN
+(chained_submission), the rendezvous's address and interface, NCCL's Flight Recorder, and
+`task`, what srun starts in each task. Python 3.6, standard library only."""
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -15,7 +16,7 @@ from typing import Dict, List, Mapping, Tuple
 
 from ddpkit import sweeplines
 from ddpkit.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting
-from ddpkit.supervisor.settings import PROG, JobError, Settings
+from ddpkit.supervisor.settings import PROG, SETTINGS, JobError, Settings
 
 IP_TIMEOUT = 10.0  # seconds for `ip`, which answers from this node's own tables
 
@@ -72,7 +73,8 @@ def step_command(s: Settings, task_file: str, train: List[str], launcher: str = 
     launcher = launcher or s.launcher
     srun = ["srun", "--label", "--kill-on-bad-exit=1"]
     if s.nodes < s.job_nodes:  # going on with the nodes left after a node was lost (MIN_NODES), from the
-        srun += [f"--nodes={s.nodes}", f"--ntasks={s.ntasks}", "--relative=0"]  # first: rank 0 by MASTER_ADDR
+        srun += [f"--nodes={s.nodes}", f"--ntasks={s.ntasks}"]  # first (rank 0 by MASTER_ADDR), or without those left out
+        srun += ["--exclude=" + ",".join(s.excluded)] if s.excluded else ["--relative=0"]
     if launcher == "torchrun":
         # One torchrun per node starts tasks_per_node workers; c10d rendezvous on the first
         # node. Its agents restart all workers when one fails, MAX_RESTARTS times at most.
@@ -115,10 +117,32 @@ def resubmit_line(s: Settings, env: Mapping[str, str], fields: Mapping[str, str]
         request.append("--account=" + env["SLURM_JOB_ACCOUNT"])
     if env.get("SLURM_JOB_NAME", "mnist-ddp") != "mnist-ddp":
         request.append("--job-name=" + env["SLURM_JOB_NAME"])
+    if fields.get("ExcNodeList") not in (None, "", "(null)"):  # (yours, and the nodes a job left out)
+        request.append("--exclude=" + fields["ExcNodeList"])
     request.append(s.batch_file or os.path.join(s.project, PROG))
     settings = [("SHARED_DIR", s.shared), ("DATA_DIR", s.data_dir), ("LOG_DIR", s.log_dir), ("RUN_NAME", s.run_name)]
     settings += list(s.passed_on.items())
+    if s.chain:
+        settings.append(("CHAIN", str(s.chain - 1)))  # (the job that continues the run may chain one fewer)
     return " ".join(shell_setting(name, value) for name, value in settings) + " " + sweeplines.quote_words(request)
+
+
+def chained_submission(line: str, job: str, env: Mapping[str, str]) -> Tuple[List[str], Dict[str, str]]:
+    """The sbatch command and its environment that submit `line` (the sbatch line that continues
+    the run, as printed after END) as a job that starts once the job `job` has ended (CHAIN),
+    with --parsable, which prints its id alone. `env` is this job's environment as run_training.sbatch
+    handed it over: the job gets the settings the line sets in place of this job's (SETTINGS),
+    and none of the SLURM_* variables that describe this job (Slurm would leave those the new
+    job does not set itself, such as SLURM_MEM_PER_CPU or an array task's id), but SLURM_CONF,
+    which says where the cluster's configuration is. ValueError when the line is no such line."""
+    words = shlex.split(line)
+    if "sbatch" not in words or not all(re.match(r"[A-Z_]+=", word) for word in words[:words.index("sbatch")]):
+        raise ValueError(f"not a line of settings and sbatch: {line}")
+    at = words.index("sbatch")
+    kept = {name: value for name, value in env.items() if name not in SETTINGS and
+            not (name.startswith("SLURM_") and name != "SLURM_CONF")}
+    kept.update(word.split("=", 1) for word in words[:at])
+    return ["sbatch", "--parsable", f"--dependency=afterany:{job}"] + words[at + 1:], kept
 
 
 def gpu_request(fields: Mapping[str, str], env: Mapping[str, str]) -> List[Tuple[str, str]]:
@@ -159,6 +183,12 @@ def route_to(address: str, field: str) -> str:
     return match.group(1) if match else ""
 
 
+def hostnames(nodelist: str) -> List[str]:
+    """The nodes of a Slurm node list (node[1-3]), as Slurm expands it; OSError or
+    SubprocessError when scontrol cannot run."""
+    return run(["scontrol", "show", "hostnames", nodelist], SCONTROL_TIMEOUT).stdout.split() if nodelist else []
+
+
 def master_address(env: Mapping[str, str]) -> str:
     """Rank 0 runs on the first node of the allocation, where the supervisor runs too. The other
     nodes get an address, not a name: on many clusters a node's own name resolves to 127.0.1.1
@@ -167,7 +197,7 @@ def master_address(env: Mapping[str, str]) -> str:
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"]
     try:
-        hosts = run(["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")], SCONTROL_TIMEOUT).stdout.split()
+        hosts = hostnames(env.get("SLURM_JOB_NODELIST", ""))
     except (OSError, subprocess.SubprocessError) as err:
         raise JobError(f"cannot list the job's nodes (scontrol show hostnames: {err}); set MASTER_ADDR") from None
     address = first_ipv4(hosts[0]) if hosts else ""

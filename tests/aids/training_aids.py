@@ -3,7 +3,12 @@
   AID_HANG=R:N[:gil]   rank R hangs as step N ends, in Python (with :gil, in a C call that
                        holds the interpreter's lock: no Python thread runs), until the test
                        or the launcher ends it
-  AID_SLOW=R:S         rank R sleeps S seconds before each forward pass of its model
+  AID_HANG_HOST=H:N    the ranks on the host named H hang as step N ends, or as the first step
+                       of a start past N does: at every start (a sick node), in Python
+  AID_SLOW=R:S         rank R sleeps S seconds before each forward pass of its model (and
+                       before each of the doctor's timed training steps, --check)
+  AID_SLOW_HOST=H:S    every rank on the host named H (socket.gethostname()) sleeps S seconds
+                       before each of the doctor's timed training steps: a slow node
   AID_SLOW_SAVE=R:N:S  rank R's checkpoint of step N takes S seconds more (a slow file system)
   AID_STEP_SECONDS=S   every rank's training step lasts at least S seconds: it sleeps the rest
                        after the step, so that a run has a known length whatever the load
@@ -14,8 +19,9 @@ ddpkit holds no trace of them. A process gets them by importing this module befo
 ddpkit.training_run: sitecustomize.py beside it does so at start-up in every process whose
 PYTHONPATH holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks,
 Slurm jobs), and the tests' forkserver imports it before it imports ddpkit. The module
-wraps TrainingRun's methods as ddpkit.training_run is imported (or at once, if it already
-was). The wrappers read the variables when they are called, so that a run forked from a
+wraps TrainingRun's methods as ddpkit.training_run is imported, and the doctor's time_step
+as ddpkit.doctor is (or at once, if they already were). The wrappers read the variables
+when they are called, so that a run forked from a
 process that imported ddpkit before the run's environment was known reads its own; unset,
 they do nothing.
 
@@ -29,6 +35,7 @@ import sys
 import time
 
 TRAINING_RUN = "ddpkit.training_run"
+DOCTOR = "ddpkit.doctor"
 
 
 def fields(name):
@@ -70,6 +77,11 @@ def aid(module):
                 import ctypes
                 ctypes.PyDLL(None).sleep(3600)
             time.sleep(3600)
+        sick = fields("AID_HANG_HOST")
+        if sick:
+            import socket
+            if sick[0] == socket.gethostname() and self.progress.step + 1 >= int(sick[1]):
+                time.sleep(3600)
         rest = self.aid_step_began + float(os.environ.get("AID_STEP_SECONDS") or 0) - time.perf_counter()
         if rest > 0:
             time.sleep(rest)
@@ -89,11 +101,47 @@ def aid(module):
     run.__init__, run.epoch_begins, run.step_done, run.checkpoint = __init__, epoch_begins, step_done, checkpoint
 
 
+def doctor_delay():
+    """The seconds that AID_SLOW_HOST or AID_SLOW adds to this rank's timed steps in the doctor."""
+    import socket
+    host = fields("AID_SLOW_HOST")
+    if host and host[0] == socket.gethostname():
+        return float(host[1])
+    slow = fields("AID_SLOW")  # (the doctor times its step once the process group is up)
+    if slow and int(slow[0]) == sys.modules["torch.distributed"].get_rank():
+        return float(slow[1])
+    return 0.0
+
+
+def aid_doctor(module):
+    """Wrap the time_step of `module` (ddpkit.doctor, just imported) with the aids, once: the
+    step it times sleeps first."""
+    plain_time_step = module.time_step
+    if getattr(plain_time_step, "aided", False):
+        return
+
+    def time_step(step, device):
+        seconds = doctor_delay()
+        if not seconds:
+            return plain_time_step(step, device)
+
+        def slow_step():
+            time.sleep(seconds)
+            return step()
+        return plain_time_step(slow_step, device)
+
+    time_step.aided = True
+    module.time_step = time_step
+
+
+AIDED = {TRAINING_RUN: aid, DOCTOR: aid_doctor}  # module: what wraps it once it has run
+
+
 class AidOnImport(importlib.abc.MetaPathFinder):
-    """Finds ddpkit.training_run as Python would, and has aid() wrap it once it has run."""
+    """Finds the modules of AIDED as Python would, and has their aid wrap each once it has run."""
 
     def find_spec(self, name, path, target=None):
-        if name != TRAINING_RUN:
+        if name not in AIDED:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -102,13 +150,13 @@ class AidOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             plain_exec_module(module)
-            aid(module)
+            AIDED[name](module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-if TRAINING_RUN in sys.modules:
-    aid(sys.modules[TRAINING_RUN])
-elif not any(isinstance(finder, AidOnImport) for finder in sys.meta_path):
+for imported in [name for name in AIDED if name in sys.modules]:
+    AIDED[imported](sys.modules[imported])
+if any(name not in sys.modules for name in AIDED) and not any(isinstance(f, AidOnImport) for f in sys.meta_path):
     sys.meta_path.insert(0, AidOnImport())

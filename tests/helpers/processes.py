@@ -49,9 +49,10 @@ def run_python(args: list[str], cwd: Path, code: str = "", script: Path | None =
     return preloaded.Run(args, cwd, clean_env(**env), script=script or SCRIPT, code=code or None).wait(timeout)
 
 
-def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
-    return subprocess.run(cmd, cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(OMP_NUM_THREADS="1", **env), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, job_id: str = "4242",

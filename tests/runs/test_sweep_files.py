@@ -216,13 +216,13 @@ def test_a_refused_file_can_be_fixed_and_a_copy_that_nothing_ran_from_is_replace
 
 def test_summary_labels_every_exit_code_as_documented(tmp_path):
     """Each exit code a run can end with, as its exit-code file holds it, gets the state
-    that docs/sweeps.md lists: done, a bug, usage, diverged, a lost peer, stopped, killed
+    that docs/sweeps.md lists: done, a bug, usage, diverged, a lost peer, a node's fault, stopped, killed
     by a signal; a run with no exit code yet is running (or requeued, and running), a run
     the sweep file names that never started is pending."""
     sweep_dir = tmp_path / "runs" / "codes"
     expected = {0: "done", 1: "failed (exit 1: a bug)", 2: "failed (exit 2: usage)", 3: "diverged (exit 3)",
                 4: "failed (exit 4: lost a peer)", 75: "stopped (exit 75)", 137: "failed (exit 137: killed by SIGKILL)",
-                143: "failed (exit 143: killed by SIGTERM)", 5: "failed (exit 5)"}
+                143: "failed (exit 143: killed by SIGTERM)", 5: "failed (exit 5: a node's fault)", 6: "failed (exit 6)"}
     for code in expected:
         (sweep_dir / f"c{code}").mkdir(parents=True)
         (sweep_dir / f"c{code}" / "exit-code").write_text(f"{code}\n")
@@ -236,7 +236,8 @@ def test_summary_labels_every_exit_code_as_documented(tmp_path):
                       "requeued": "requeued (2x), running"}
     documented = (ROOT / "docs" / "sweeps.md").read_text()
     for state in ("done", "failed (exit 1: a bug)", "failed (exit 2: usage)", "diverged (exit 3)",
-                  "failed (exit 4: lost a peer)", "stopped (exit 75)", "failed (exit 128+N: killed by SIGNAME)",
+                  "failed (exit 4: lost a peer)", "failed (exit 5: a node's fault)", "stopped (exit 75)",
+                  "failed (exit 128+N: killed by SIGNAME)",
                   "failed (exit N)", "running", "requeued (Nx), running", "pending"):
         assert f"`{state}`" in documented, state
     pending = tmp_path / "pending.txt"

@@ -14,7 +14,17 @@ import sys
 
 import pytest
 
-from ddpkit.contract import JobEnv, JobPaths, continuing_args, port_from_job_id, read_codes
+from ddpkit.contract import (
+    JobEnv,
+    JobPaths,
+    continuing_args,
+    hung_text,
+    node_fault_text,
+    port_from_job_id,
+    read_codes,
+    read_hung,
+    read_node_fault,
+)
 from helpers.processes import ROOT
 
 # ----------------------------------------------------------------------------- one name, two sides
@@ -112,7 +122,8 @@ def imported_from_contract(tree: ast.AST) -> set:
 def test_each_name_is_written_by_one_side_and_read_by_the_other():
     """JobEnv.SIDES and JobPaths.SIDES declare, for every name, who writes it and who reads
     it (the supervisor, the ranks, sweep.py): each of those sides refers to the name, itself
-    or through a function of the contract, and a name that one side writes another reads."""
+    or through a function of the contract, and a name that one side writes another reads, or,
+    for a file, a later job of the same side."""
     functions = contract_functions()
     used_by = {}
     for side, paths in SIDES.items():
@@ -125,7 +136,11 @@ def test_each_name_is_written_by_one_side_and_read_by_the_other():
         for name, (writers, readers) in cls.SIDES.items():
             writers, readers = writers.split(), readers.split()
             assert writers and readers and set(writers) | set(readers) <= set(SIDES), (table, name)
-            assert any(w != r for w in writers for r in readers), f"{table}.{name} does not pass between two sides"
+            # A file may also pass between two jobs of one side (the supervisor of a job and that of a
+            # later job of the run): that side alone writes and reads it. A variable passes to another side.
+            between_jobs = table == "JobPaths" and writers == readers
+            assert between_jobs or any(w != r for w in writers for r in readers), \
+                f"{table}.{name} does not pass between two sides, nor between two jobs of one side"
             for side in writers + readers:
                 assert f"{table}.{name}" in used_by.get(side, set()), f"{table}.{name}: no module of the {side} refers to it"
 
@@ -192,3 +207,14 @@ def test_under_the_batch_file_the_advice_names_the_run_as_the_batch_file_does(tm
     monkeypatch.setenv(JobEnv.RESUBMIT, "SHARED_DIR=/s sbatch run_training.sbatch")
     with pytest.raises(UsageError, match="pass another RUN_NAME to start afresh, or --resume auto to continue"):
         find_checkpoint("never", False, {}, (), tmp_path)
+
+
+def test_the_hang_reports_and_the_node_faults_lines_are_written_and_read_by_one_pair_each():
+    """The rank writes JobPaths.HUNG and JobPaths.NODE_FAULT with the contract's writer, and the
+    supervisor reads them with its reader: what one writes, the other reads back."""
+    assert hung_text([(1, "n2"), (3, "gpu-4")]) == "1 n2\n3 gpu-4\n"
+    assert read_hung(hung_text([(1, "n2"), (3, "gpu-4")])) == [("1", "n2"), ("3", "gpu-4")]
+    assert read_hung("") == []
+    fault = "CUDA error: uncorrectable ECC error encountered"
+    assert read_node_fault(node_fault_text("n3", fault)) == ("n3", fault)
+    assert read_node_fault("") == ("", "")

@@ -46,6 +46,8 @@ def test_the_verdict_names_each_rank_behind_and_how_it_was_seen():
     assert line == ("hang after step 6: rank 1 on a is stopped (state T, ...); rank 2 on b is at "
                     "ddpkit/imagesets.py:9 in batches; rank 3 on c: no answer; rank(s) 0 wait for it in the agreement "
                     "for 12 s; every rank's stacks: /r/hangs/x")
+    # (the ranks it names, which the job's supervisor pins the failure on by their nodes)
+    assert [peer.rank for peer in hangs.not_waiting(summaries, peers)] == [1, 2, 3]
 
 
 def test_innermost_frame_of_the_recipe_or_the_kit_from_a_real_faulthandler_dump(tmp_path):
@@ -131,3 +133,24 @@ def test_three_slow_windows_of_different_ranks_in_a_row_name_no_straggler():
     assert lines == ["", "", "", "", ""]
     third = judge.window((32, 10, 11))[3]
     assert third.startswith("straggler: rank 0 on a takes 32.0 ms") and "in 3 windows" in third
+
+
+def test_a_hang_report_that_resolved_is_taken_back_once_a_step_finishes_after_it(tmp_path):
+    """The rank that named ranks in a verdict takes it back (the job's supervisor must not pin
+    a failure on their nodes) once the run finished a step after it; not before, for a lost
+    peer's error ends the wait too, and then the verdict stands."""
+    taken_back = []
+    watch = hangs.HangWatch(rank=0, peers=[], folder=tmp_path, hang_after=10, roots=(), resolved=lambda: taken_back.append(1))
+    before = hangs._step[0]
+    try:
+        hangs._step[0] = 6
+        watch.forget_a_resolved_hang()  # (no verdict yet)
+        watch.named_after = 6  # (as a verdict that named ranks after step 6 leaves it)
+        watch.forget_a_resolved_hang()
+        assert taken_back == []
+        hangs._step[0] = 7
+        watch.forget_a_resolved_hang()
+        watch.forget_a_resolved_hang()
+        assert taken_back == [1] and watch.named_after is None
+    finally:
+        hangs._step[0] = before

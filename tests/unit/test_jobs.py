@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.jobs import continue_command, launcher_words, world_sizes
+from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
+from ddpkit.jobs import continue_command, failure, launcher_words, world_sizes
 from ddpkit.launch import Launch
 from ddpkit.options import RunOptions, parse_options
 from mnist_ddp import Recipe
@@ -112,3 +113,13 @@ def test_the_world_sizes_rank_0_lists_are_those_the_recipe_splits_its_batch_amon
     batch, so none but the run's own goes on with the same batches."""
     assert world_sizes(Recipe(global_batch=96).per_rank_batch, 8) == [1, 2, 3, 4, 6, 8]
     assert world_sizes(Recipe(batch_size=5).per_rank_batch, 5) == [5]
+
+
+def test_a_fault_of_the_ranks_node_is_exit_5_a_lost_peer_4_and_a_bug_1():
+    """A CUDA error of the GPU: exit 5, which the batch file restarts (and pins on the node); a
+    lost peer 4; the run's own CUDA error (a device-side assert) stays a bug."""
+    line, code = failure(RuntimeError("CUDA error: uncorrectable ECC error encountered"), None, None)
+    assert code == EXIT_NODE_FAULT and line.startswith("CUDA error: uncorrectable ECC error encountered: a fault of this "
+                                                        "rank's node, not of the run (")
+    assert failure(RuntimeError("Connection closed by peer"), None, None)[1] == EXIT_LOST_PEER
+    assert failure(RuntimeError("CUDA error: device-side assert triggered"), None, None)[1] == EXIT_BUG

@@ -6,10 +6,11 @@ of the Launch each gives; the stop signals' flag; the exit codes and exit files 
 """
 
 import signal
+import socket
 
 import pytest
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_STOPPED, port_from_job_id
+from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_STOPPED, JobEnv, JobPaths, port_from_job_id
 from ddpkit.launch import (
     Launch,
     StopSignals,
@@ -19,6 +20,7 @@ from ddpkit.launch import (
     gpus_granted,
     read_launch_env,
     record_exit,
+    record_node_fault,
     tasks_on_node,
     unfixable_exit,
     write_exit_file,
@@ -78,6 +80,15 @@ def test_slurm_task():
     assert launch.master_addr == "node07"
     assert launch.master_port == port_from_job_id("1234") == 11234
     assert launch.num_threads == 8
+
+
+def test_a_rank_tells_the_supervisor_that_its_node_failed_it(tmp_path):
+    """By its node as Slurm names it (SLURMD_NODENAME, which may differ from the host's name),
+    in the file the supervisor pins the failure on the node by (exit 5)."""
+    launch = read_launch_env({**SRUN_TASK, "SLURMD_NODENAME": "gpu17", JobEnv.EXIT_DIR: str(tmp_path / "job-1234")})
+    record_node_fault("CUDA error: uncorrectable ECC error encountered", launch)
+    assert (tmp_path / "job-1234" / JobPaths.NODE_FAULT.format(3)).read_text() == \
+        "gpu17 CUDA error: uncorrectable ECC error encountered\n"
 
 
 def test_slurm_step_nodelist_and_explicit_master():
@@ -167,10 +178,10 @@ def test_every_field_of_a_torchrun_worker():
     env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
            "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3",
            "SLURM_JOB_ID": "55", "SLURM_CPUS_PER_TASK": "6", "MNIST_DDP_EXIT_DIR": "/tmp/exits", "SLURM_RESTART_COUNT": "2",
-           "CUDA_VISIBLE_DEVICES": "0,1"}
+           "CUDA_VISIBLE_DEVICES": "0,1", "SLURMD_NODENAME": "node08"}
     assert read_launch_env(env) == Launch("torchrun", 5, 1, 8, "10.0.0.1", 29400, "55", 6, local_world_size=4,
                                           gpus_granted="CUDA_VISIBLE_DEVICES=0,1", attempt="2/4", restarts_left=2,
-                                          exit_dir="/tmp/exits", requeues=2, nodes=2)
+                                          exit_dir="/tmp/exits", requeues=2, nodes=2, node="node08")
     # Without LOCAL_WORLD_SIZE (an older torchrun), at least this rank's; without the agent's
     # restart counts, the attempt run_training.sbatch gives; never fewer than one node.
     bare = {k: v for k, v in env.items() if not k.startswith(("LOCAL_WORLD", "TORCHELASTIC"))}
@@ -182,10 +193,11 @@ def test_every_field_of_a_torchrun_worker():
 def test_every_field_of_a_slurm_task():
     env = {**SRUN_TASK, "SLURM_STEP_TASKS_PER_NODE": "1,3", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
            "SLURM_GPUS_PER_TASK": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "5", "SLURM_RESTART_COUNT": "1",
-           "SLURM_GPUS_ON_NODE": "2", "MNIST_DDP_ATTEMPT": "2/3", "MNIST_DDP_EXIT_DIR": "/tmp/exits"}
+           "SLURM_GPUS_ON_NODE": "2", "MNIST_DDP_ATTEMPT": "2/3", "MNIST_DDP_EXIT_DIR": "/tmp/exits",
+           "SLURMD_NODENAME": "node08"}
     assert read_launch_env(env) == Launch("slurm", 3, 1, 4, "node07", 11234, "1234", 8, local_world_size=3,
                                           gpus_granted="SLURM_GPUS_ON_NODE=2", gpu_per_task=True, attempt="2/3",
-                                          restarts_left=0, exit_dir="/tmp/exits", requeues=1, nodes=2)
+                                          restarts_left=0, exit_dir="/tmp/exits", requeues=1, nodes=2, node="node08")
     # The job's task counts and node count where the step's are not set; node 0 where no
     # node id is; the local rank where the counts say fewer.
     job_wide = {k: v for k, v in env.items() if k not in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES",
@@ -201,7 +213,8 @@ def test_every_field_of_a_slurm_task():
 
 
 def test_every_field_of_one_process():
-    assert read_launch_env({"SLURM_CPUS_PER_TASK": "3"}) == Launch("single", 0, 0, 1, "127.0.0.1", 0, "", 3)
+    assert read_launch_env({"SLURM_CPUS_PER_TASK": "3"}) == Launch("single", 0, 0, 1, "127.0.0.1", 0, "", 3,
+                                                                   node=socket.gethostname())  # (no Slurm node: the host)
     assert read_launch_env({"SLURM_CPUS_PER_TASK": ""}).num_threads == 0
     assert read_launch_env({"RANK": "0"}).source == "single"  # torchrun sets both RANK and WORLD_SIZE
     assert read_launch_env({"WORLD_SIZE": "1"}).source == "single"

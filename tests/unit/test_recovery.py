@@ -33,6 +33,50 @@ def test_which_errors_mean_a_lost_peer(message, lost):
     assert recovery.is_lost_peer(RuntimeError(message)) is lost
 
 
+@pytest.mark.parametrize("error, fault", [
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors might be asynchronously "
+                  "reported at some other API call"), "CUDA error: uncorrectable ECC error encountered"),
+    (RuntimeError("CUDA error: uncorrectable NVLink error detected during the execution"),
+     "CUDA error: uncorrectable NVLink error"),
+    (RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable"),
+     "CUDA error: CUDA-capable device(s) is/are busy or unavailable"),
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                           "for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                           "Last error:\nCuda failure 'uncorrectable ECC error encountered'"),
+     "NCCL error: unhandled cuda error (uncorrectable ECC error encountered)"),
+    # The run's own, or a peer's: no fault of this node (a restart elsewhere would hide a bug).
+    (RuntimeError("CUDA error: device-side assert triggered"), ""),                # an index out of range: a bug
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), ""),  # the run's size
+    (RuntimeError("CUDA error: misaligned address"), ""),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), ""),  # a kernel's bug, most often
+    (RuntimeError("CUDA error: unspecified launch failure\nCompile with `TORCH_USE_CUDA_DSA`"), ""),
+    (RuntimeError("CUDA error: initialization error"), ""),  # a fork after CUDA's start, drivers: the environment
+    (RuntimeError("CUDA error: unknown error"), ""),
+    (RuntimeError("CUDA error: the launch timed out and was terminated"), ""),
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                           "for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                           "Last error:\nCuda failure 'out of memory'"), ""),            # the run's size
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                           "for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                           "Last error:\nCuda failure 'invalid device ordinal'"), ""),   # the run's device
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                           "for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed."),
+     ""),                                                                           # (it says not which)
+    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network "
+                           "error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error "
+                           "or a remote process exiting prematurely."), ""),     # a lost peer (4)
+    (dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)"), ""),
+    (ValueError("CUDA error: uncorrectable ECC error encountered"), ""),          # (not torch's)
+])
+def test_which_errors_tell_of_a_fault_of_the_ranks_node(error, fault):
+    """A fault of the node's GPU (ECC, NVLink, a busy device), from CUDA or wrapped by NCCL's
+    failed CUDA call, is the node's (exit 5: a restart fixes it, on other nodes once the job
+    leaves the node out); any other CUDA error (an illegal memory access, an initialization
+    error, out of memory...) and a lost peer are not (they stay 1 and 4)."""
+    assert recovery.node_fault(error) == fault
+    assert not fault or recovery.is_lost_peer(error) == isinstance(error, dist.DistError)
+
+
 def test_checkpoint_clock_with_a_fake_clock():
     now = [100.0]
     clock = recovery.CheckpointClock(2.5, clock=lambda: now[0])

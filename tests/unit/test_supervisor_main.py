@@ -9,6 +9,7 @@ Slurm.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import JobPaths
+from ddpkit.contract import JobEnv, JobPaths
 from ddpkit.supervisor.main import Supervisor
 from ddpkit.supervisor.outcome import Outcome
 from helpers.cluster import SBATCH_FILE
@@ -126,9 +127,13 @@ def test_the_batch_file_without_slurm_or_without_python3_is_one_line(tmp_path, e
 def supervised_job(tmp_path: Path, srun_exits: str, args: list, **env: str) -> subprocess.CompletedProcess:
     """The supervisor as run_training.sbatch hands over to it, in a job of 1 node and 2 ranks
     whose project is a copy in tmp_path/project. On its PATH, srun records each step's command
-    (a line of srun.log: the copy's mnist_ddp.py it runs, then the training options) and exits
-    with the next of `srun_exits` (137: killed, as srun reports it); scontrol
-    knows no job; PYTHON answers the supervisor's check that it imports torch."""
+    (a line of srun.log: the copy's mnist_ddp.py it runs, then the training options), runs
+    tmp_path/srun-leaves when there is one (the files the ranks leave) and exits with the next
+    of `srun_exits` (137: killed, as srun reports it); scontrol shows the job N whose line
+    tmp_path/shows-N holds and knows no other; sbatch records its arguments (sbatch-args),
+    some of its environment (sbatch-env) and where it ran (sbatch-cwd), and submits job 1234,
+    or fails with the message tmp_path/sbatch-refuses holds; PYTHON answers the supervisor's
+    check that it imports torch."""
     project, tools = tmp_path / "project", tmp_path / "bin"
     if not project.exists():
         shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
@@ -142,9 +147,21 @@ while [[ $1 == --* ]]; do shift; done  # (torchrun's own options)
 echo "$mode $(cat "$1") ${{*:2}}" >> {tmp_path}/srun.log
 set -- $(cat {tmp_path}/srun-exits)
 n=$(wc -l < {tmp_path}/srun.log)
+if [[ -f {tmp_path}/srun-leaves ]]; then source {tmp_path}/srun-leaves; fi
 exit "${{!n}}"
 """)
-        (tools / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+        (tools / "scontrol").write_text(f"""#!/bin/sh
+if [ "$1" = show ] && [ -f "{tmp_path}/shows-$4" ]; then cat "{tmp_path}/shows-$4"; exit 0; fi
+exit 1
+""")
+        (tools / "sbatch").write_text(f"""#!/bin/sh
+printf '%s\\n' "$@" > {tmp_path}/sbatch-args
+for v in CHAIN RUN_NAME SHARED_DIR PYTHON SLURM_JOB_ID SLURM_NTASKS MASTER_ADDR; do eval "echo $v=\\${{$v-unset}}"; done \\
+    > {tmp_path}/sbatch-env
+pwd > {tmp_path}/sbatch-cwd
+if [ -f {tmp_path}/sbatch-refuses ]; then cat {tmp_path}/sbatch-refuses >&2; exit 1; fi
+echo 1234
+""")
         (tools / "python").write_text("#!/bin/sh\necho python=here torch=2\n")
         for tool in tools.iterdir():
             tool.chmod(0o755)
@@ -153,7 +170,7 @@ exit "${{!n}}"
            "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "PYTHON": str(tools / "python")}
     return subprocess.run([sys.executable, str(project / "ddpkit" / "supervisor" / "main.py"), "supervise", "--project",
                            str(project), "--batch-file", str(project / "run_training.sbatch"), "--environment", "VENV=/v",
-                           "--", *args], cwd=tmp_path, env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **job, **env),
+                           "--", *args], cwd=tmp_path, env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **{**job, **env}),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -233,3 +250,126 @@ def test_the_batch_file_is_its_sbatch_lines_the_environment_and_one_hand_over():
     assert directives == list(range(1, len(directives) + 1)) and len(directives) >= 8
     command = [line for line in lines if line and not line.startswith("#")][-2:]
     assert command[0].startswith('exec python3 "$project/ddpkit/supervisor/main.py" supervise '), command
+
+
+# ----------------------------------------------------------------------------- CHAIN
+
+NOT_REQUEUEABLE = LINE.replace("Requeue=1", "Requeue=0")  # (as sbatch --no-requeue leaves it)
+
+
+def ranks_leave(tmp_path: Path, codes: str, continue_line: str = "") -> None:
+    """What the ranks leave in the job's folder as the stand-in srun ends: each rank's code, the
+    requeue file (a stop on SIGUSR1 asks for a requeue) and rank 0's line that continues the run."""
+    folder = f'"${JobEnv.EXIT_DIR}"'
+    leaves = [f"mkdir -p {folder}"]
+    leaves += [f"echo {code} > {folder}/{JobPaths.RANK_CODE.format(rank)}" for rank, code in enumerate(codes.split())]
+    leaves.append(f"echo SIGUSR1 > {folder}/{JobPaths.REQUEUE}")
+    if continue_line:
+        leaves.append(f'echo "${JobEnv.RESUBMIT} {continue_line}" > {folder}/{JobPaths.CONTINUE_COMMAND}')
+    (tmp_path / "srun-leaves").write_text("\n".join(leaves) + "\n")
+
+
+def sbatch_calls(tmp_path: Path) -> list:
+    return (tmp_path / "sbatch-args").read_text().splitlines() if (tmp_path / "sbatch-args").exists() else []
+
+
+def test_a_stop_slurm_does_not_requeue_is_continued_by_a_chained_job_and_never_by_two(tmp_path):
+    """CHAIN=2, a job Slurm may not requeue, stopped on SIGUSR1: the supervisor submits rank 0's
+    line that continues the run, with CHAIN=1, as a job that waits for this one to end; says so
+    in one line with its id, and on the END line (exit 75); records its id in the run
+    directory; and prints the line after END as submitted. While that job is pending, a second
+    stop of the run chains nothing and says which job continues the run; once it has ended, a
+    stop chains again. The chained job, when it runs, clears the record."""
+    (tmp_path / "shows-77").write_text(NOT_REQUEUEABLE + "\n")
+    ranks_leave(tmp_path, "75 75", "--epochs 3 --lr 0.5")
+    result = supervised_job(tmp_path, "75", ["--epochs", "3", "--lr", "0.5"], CHAIN="2", MASTER_PORT="29500")
+    assert result.returncode == 75, result.stdout + result.stderr
+    project, runs = tmp_path / "project", tmp_path / "runs"
+    printed = (f"SHARED_DIR={tmp_path} DATA_DIR={tmp_path}/data LOG_DIR={runs} RUN_NAME=job-77 "
+               f"PYTHON={tmp_path}/bin/python CHAIN=1 sbatch --nodes=1 --ntasks-per-node=2 --time=00:30:00 "
+               f"{project}/run_training.sbatch --epochs 3 --lr 0.5")
+    assert sbatch_calls(tmp_path) == ["--parsable", "--dependency=afterany:77", *printed.split(" sbatch ")[1].split()]
+    assert (tmp_path / "sbatch-env").read_text().splitlines() == [
+        "CHAIN=1", "RUN_NAME=job-77", f"SHARED_DIR={tmp_path}", f"PYTHON={tmp_path}/bin/python", "SLURM_JOB_ID=unset",
+        "SLURM_NTASKS=unset", "MASTER_ADDR=unset"]  # (the line's settings alone, and none of this job's)
+    assert (tmp_path / "sbatch-cwd").read_text() == f"{tmp_path}\n"
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if "1234" in line] == [
+        "Slurm did not requeue job 77: chained Slurm job 1234, which continues the run once this one has ended "
+        "(sbatch --dependency=afterany:77, CHAIN=1)", lines[-2]]
+    assert re.fullmatch(r"END \S+ job=77 exit=75 chained: Slurm job 1234 continues the run", lines[-2])
+    assert lines[-1] == f"to continue from the newest checkpoint, from {tmp_path}: {printed}"
+    assert "Slurm job 77 may not be requeued (it was submitted without --requeue)" in lines
+    record = runs / "job-77" / JobPaths.CHAINED_JOB
+    assert record.read_text() == "1234\n"
+
+    for done in ("sbatch-args", "srun.log"):
+        (tmp_path / done).unlink()
+    (tmp_path / "shows-1234").write_text("JobId=1234 JobName=mnist-ddp JobState=PENDING Reason=Dependency\n")
+    again = supervised_job(tmp_path, "75", ["--epochs", "3"], CHAIN="2")
+    assert sbatch_calls(tmp_path) == [] and again.returncode == 75
+    assert f"not chaining another job: Slurm job 1234 (PENDING) already continues the run ({record})" in again.stdout
+    assert re.search(r"^END \S+ job=77 exit=75$", again.stdout, re.M) and record.read_text() == "1234\n"
+    (tmp_path / "shows-1234").write_text("JobId=1234 JobName=mnist-ddp JobState=CANCELLED Reason=None\n")
+    (tmp_path / "srun.log").unlink()
+    supervised_job(tmp_path, "75", ["--epochs", "3"], CHAIN="2")
+    assert sbatch_calls(tmp_path)[:2] == ["--parsable", "--dependency=afterany:77"]
+
+    for done in ("srun-leaves", "srun.log"):
+        (tmp_path / done).unlink()
+    chained = supervised_job(tmp_path, "0", ["--epochs", "3"], SLURM_JOB_ID="1234", RUN_NAME="job-77", CHAIN="1")
+    assert chained.returncode == 0 and not record.exists(), chained.stdout + chained.stderr
+
+
+@pytest.mark.parametrize("codes, chain", [("0 0", "2"), ("1 4", "2"), ("2 75", "2"), ("3 4", "2"), ("75 75", "0")])
+def test_nothing_is_chained_after_a_finished_run_a_failure_no_restart_fixes_or_with_chain_0(tmp_path, codes, chain):
+    """The ranks left the requeue file each time, and Slurm would not requeue the job: a run
+    that finished (0), a bug (1), a usage problem (2), a divergence (3) chain nothing, nor
+    does a stop with CHAIN=0 (the default)."""
+    (tmp_path / "shows-77").write_text(NOT_REQUEUEABLE + "\n")
+    ranks_leave(tmp_path, codes)
+    result = supervised_job(tmp_path, codes.split()[0], ["--epochs", "3"], CHAIN=chain)
+    assert result.returncode == int(codes.split()[0]), result.stdout + result.stderr
+    assert sbatch_calls(tmp_path) == [] and not re.search(r"chain(ed|ing)? (Slurm|the|another)", result.stdout)
+    assert not (tmp_path / "runs" / "job-77" / JobPaths.CHAINED_JOB).exists()
+
+
+def test_a_chain_sbatch_refuses_is_one_line_and_the_printed_line_remains(tmp_path):
+    (tmp_path / "shows-77").write_text(NOT_REQUEUEABLE + "\n")
+    (tmp_path / "sbatch-refuses").write_text("sbatch: error: Batch job submission failed: Invalid account\n")
+    ranks_leave(tmp_path, "75 75")
+    result = supervised_job(tmp_path, "75", ["--epochs", "3"], CHAIN="1")
+    assert result.returncode == 75 and sbatch_calls(tmp_path)[:2] == ["--parsable", "--dependency=afterany:77"]
+    lines = result.stdout.splitlines()
+    assert "could not chain the job that continues the run (sbatch: sbatch: error: Batch job submission failed: Invalid " \
+           "account); submit the line below yourself" in lines
+    assert re.fullmatch(r"END \S+ job=77 exit=75", lines[-2])
+    assert lines[-1].startswith(f"to continue from the newest checkpoint, from {tmp_path}: SHARED_DIR=")
+    assert " CHAIN=0 sbatch " in lines[-1] and lines[-1].endswith(" --epochs 3")
+    assert not (tmp_path / "runs" / "job-77" / JobPaths.CHAINED_JOB).exists()
+
+
+def test_a_line_that_continues_the_run_it_cannot_rewrite_leaves_the_supervisor_and_its_end_line(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Adding --exclude to rank 0's line that continues the run fails (a full disk, say): one line
+    says so, and the job still ends with its END line and the line that continues the run."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv(JobEnv.RESUBMIT, "")  # (restored after the test: the supervisor sets it)
+    supervisor = Supervisor(settings(tmp_path), LINE, "/code/ddpkit/supervisor/main.py")
+    supervisor.resubmit = "sbatch run_training.sbatch"
+    os.makedirs(supervisor.s.job_dir)
+    Path(supervisor.s.job_dir, JobPaths.CONTINUE_COMMAND).write_text("sbatch run_training.sbatch --epochs 3\n")
+    real_open = open
+
+    def open_but_not_to_write(path, mode="r", *args, **kwargs):
+        if "w" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("ddpkit.supervisor.main.open", open_but_not_to_write, raising=False)
+    supervisor.exclude_in_line(["n2"])
+    assert supervisor.end(Outcome(4, True, "rank 0 lost contact"), 4) == 4
+    out = capsys.readouterr().out
+    assert "could not add --exclude=n2 to the line that continues the run ([Errno 28] No space left on device)" in out
+    assert re.search(r"^END .* exit=4 gave up after 4 attempts", out, re.MULTILINE)
+    assert out.rstrip().endswith("run_training.sbatch --epochs 3")

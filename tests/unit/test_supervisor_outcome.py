@@ -30,6 +30,8 @@ from helpers.supervisor import JOB, LINE, settings
     (1, {}, 1, False),                    # died before main() (an import error): no codes, no signal
     (139, {0: 0, 1: 0}, 0, False),        # every rank finished and saved, then one died at exit: done
     (134, {0: 0}, 134, True),             # rank 1 died before it recorded anything: killed
+    (137, {0: 4, 1: 5}, 5, True),         # rank 1's node failed it (a CUDA error), rank 0 lost it: restarted
+    (4, {0: 1, 1: 5}, 1, False),          # ... but a bug on any rank decides
 ])
 def test_which_outcomes_the_supervisor_retries(tmp_path, srun_status, codes, status, retry):
     """settle over the files the ranks write (rank-<r>, the code and a newline)."""
@@ -45,6 +47,7 @@ def test_which_outcomes_the_supervisor_retries(tmp_path, srun_status, codes, sta
 def test_settle_names_the_first_rank_that_decided_and_every_killed_one():
     assert settle(4, {0: 4, 1: 2, 2: 1}, 3) == Outcome(2, why="rank 1 exited with 2")
     assert settle(137, {1: 4}, 4).why.startswith("rank 0 2 3 ended without an exit code: killed by a signal")
+    assert settle(137, {1: 4}, 4).killed == (0, 2, 3)  # (which the supervisor pins the failure on)
     assert settle(4, {0: 4, 1: 4}, 2) == Outcome(4, True, "rank 0 1 lost contact with a peer that died or hung")
 
 

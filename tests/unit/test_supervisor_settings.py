@@ -1,16 +1,18 @@
 """The supervisor's settings (ddpkit/supervisor/settings.py) without Slurm: the defaults, the
-one-line error of each wrong setting, a sweep's array task, containers, the ranks'
-interpreter.
+one-line error of each wrong setting (CHAIN's too), a sweep's array task, containers, the
+ranks' interpreter, the settings a chained job is given anew.
 
     python -m pytest tests/unit/test_supervisor_settings.py
 """
 
+import re
 import sys
 
 import pytest
 
-from ddpkit.supervisor.settings import JobError, ranks_python
+from ddpkit.supervisor.settings import SETTINGS, JobError, ranks_python
 from ddpkit.supervisor.step import step_command, training_args, where_ranks_run
+from helpers.processes import ROOT
 from helpers.supervisor import settings
 
 
@@ -30,6 +32,9 @@ def test_defaults_follow_the_shared_directory_and_the_job(tmp_path):
     ({"MAX_RESTARTS": "101"}, "MAX_RESTARTS must be a number from 0 to 100, got '101'"),
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a number from 0 to 100, got '-1'"),
     ({"MAX_RESTARTS": "1e3"}, "MAX_RESTARTS must be a number from 0 to 100, got '1e3'"),
+    ({"CHAIN": "101"}, "CHAIN must be a number from 0 to 100, got '101'"),
+    ({"CHAIN": "yes"}, "CHAIN must be a number from 0 to 100, got 'yes'"),
+    ({"CHAIN": "-2"}, "CHAIN must be a number from 0 to 100, got '-2'"),
     ({"MASTER_PORT": "80"}, "MASTER_PORT must be a number from 1024 to 65535, got '80'"),
     ({"RUN_NAME": ".."}, "RUN_NAME must be one directory name of letters, digits and ._-+=,@ (no / or spaces, "
                          "not . or ..), got '..'"),
@@ -51,8 +56,17 @@ def test_a_wrong_setting_is_one_line_naming_it(tmp_path, env, error):
 
 def test_numbers_with_leading_zeros_are_decimal(tmp_path):
     """Bash read 08 as octal once; here 08 is 8 and 01080 is 1080."""
-    s = settings(tmp_path, MAX_RESTARTS="08", MASTER_PORT="01080")
-    assert (s.max_restarts, s.master_port) == (8, 1080)
+    s = settings(tmp_path, MAX_RESTARTS="08", MASTER_PORT="01080", CHAIN="09")
+    assert (s.max_restarts, s.master_port, s.chain) == (8, 1080, 9)
+    assert settings(tmp_path).chain == settings(tmp_path, CHAIN="").chain == 0  # (off unless set)
+
+
+def test_the_settings_a_chained_job_is_given_anew_are_every_one_the_batch_file_lists():
+    """The job CHAIN submits gets the settings of its line in place of every one this job
+    read (SETTINGS): each name run_training.sbatch's header lists, and no other."""
+    header = (ROOT / "run_training.sbatch").read_text().split("# Settings, as environment variables", 1)[1]
+    listed = re.findall(r"^#   ([A-Z_]+(?:, [A-Z_]+)*) ", header.split("\n# Exit codes", 1)[0], re.M)
+    assert sorted(SETTINGS) == sorted(name for names in listed for name in names.split(", "))
 
 
 @pytest.mark.parametrize("arg", ["--run-name", "--run-name=x", "--log-dir", "--run-dir=/tmp/r"])

@@ -1,5 +1,6 @@
 """The supervisor's step (ddpkit/supervisor/step.py) without Slurm: the srun and torchrun step
-commands, the ranks' command line, the sbatch line that continues the run.
+commands, the ranks' command line, the sbatch line that continues the run and its
+submission by CHAIN.
 
     python -m pytest tests/unit/test_supervisor_step.py
 """
@@ -9,7 +10,7 @@ import subprocess
 import pytest
 
 from ddpkit.contract import job_fields
-from ddpkit.supervisor.step import resubmit_line, step_command, training_args
+from ddpkit.supervisor.step import chained_submission, resubmit_line, step_command, training_args
 from helpers.supervisor import JOB, LINE, settings
 
 
@@ -96,3 +97,30 @@ def test_the_resubmit_line_carries_the_settings_as_given_and_is_quoted(tmp_path)
         "OMP_NUM_THREADS=unset"]), shown.stderr
     given = settings(tmp_path, OMP_NUM_THREADS="2")
     assert " OMP_NUM_THREADS=2 sbatch " in resubmit_line(given, {**JOB, "OMP_NUM_THREADS": "2"}, {})
+
+
+def test_the_line_that_continues_a_chain_counts_it_down(tmp_path):
+    """CHAIN=N: the job that continues the run may chain N-1 more; CHAIN=0 or unset: no CHAIN."""
+    assert " CHAIN=2 sbatch " in resubmit_line(settings(tmp_path, CHAIN="3"), JOB, {})
+    assert " CHAIN=0 sbatch " in resubmit_line(settings(tmp_path, CHAIN="1"), JOB, {})
+    assert "CHAIN" not in resubmit_line(settings(tmp_path, CHAIN="0"), JOB, {}) + resubmit_line(settings(tmp_path), JOB, {})
+
+
+def test_a_chained_job_is_submitted_with_its_line_alone_after_this_one(tmp_path):
+    """The line's sbatch words, after --parsable and the dependency on this job; its settings
+    in place of those this job read (MASTER_PORT, SWEEP_FILE: the line sets neither), and
+    none of the SLURM_* variables of this job but SLURM_CONF; the rest of the environment
+    kept, as a shell would keep it."""
+    line = ("SHARED_DIR='/s d' RUN_NAME=lr=1e-3 CHAIN=1 sbatch --nodes=1 --ntasks-per-node=2 /p/run_training.sbatch "
+            "--epochs 3 --lr '1e-3'")
+    env = {**JOB, "SLURM_ARRAY_TASK_ID": "7", "SLURM_MEM_PER_CPU": "1000", "SLURM_CONF": "/etc/slurm/slurm.conf",
+           "MASTER_PORT": "29500", "SWEEP_FILE": "lr.txt", "CHAIN": "2", "RUN_NAME": "old", "PATH": "/v/bin:/bin",
+           "HOME": "/home/ann"}
+    command, given = chained_submission(line, "70_7", env)
+    assert command == ["sbatch", "--parsable", "--dependency=afterany:70_7", "--nodes=1", "--ntasks-per-node=2",
+                       "/p/run_training.sbatch", "--epochs", "3", "--lr", "1e-3"]
+    assert given == {"SLURM_CONF": "/etc/slurm/slurm.conf", "PATH": "/v/bin:/bin", "HOME": "/home/ann",
+                     "SHARED_DIR": "/s d", "RUN_NAME": "lr=1e-3", "CHAIN": "1"}
+    for wrong in ("python mnist_ddp.py --epochs 3", "sbatch 'x", "echo hi; sbatch run_training.sbatch"):
+        with pytest.raises(ValueError):
+            chained_submission(wrong, "7", env)

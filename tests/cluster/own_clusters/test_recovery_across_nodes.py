@@ -18,21 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from helpers.cluster import FAST, LOCAL_SLURM, Cluster, finish, lost_steps, output_of, signal_rank, wait_for
+from helpers.cluster import FAST, LOCAL_SLURM, finish, lost_steps, output_of, signal_rank, wait_for
 from helpers.images import read_metrics
 from helpers.processes import clean_env
-
-
-@pytest.fixture(scope="module")
-def three_nodes(tmp_path_factory):
-    """Three nodes; slurmctld declares a silent node down within about 10 s."""
-    cluster = Cluster(tmp_path_factory.mktemp("slurm3"), 3,
-                      clean_env(LOCAL_SLURM_PORT="16847", LOCAL_SLURM_PREFIX="ft", LOCAL_SLURM_SUBNET="10.231.11",
-                                LOCAL_SLURM_SELF_LOOPBACK="1", LOCAL_SLURM_CONF="SlurmdTimeout=10\nMessageTimeout=3"))
-    yield cluster
-    cluster.stop()
 
 
 def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path):
@@ -46,6 +34,37 @@ def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path)
     assert re.search(r"^0: resumed from \S+: epoch \d, step \d+ \(attempt 2/4, requeued 0x\)", out, re.M), out[-3000:]
     assert re.search(r"^END .* exit=0$", out, re.M)
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "elastic")] == list(range(1, 7))
+
+
+def test_a_job_leaves_out_a_node_that_hangs_at_every_start_and_finishes_on_the_other_two(three_nodes, tmp_path):
+    """A 2-node job whose rank on ftn2 hangs at every start (AID_HANG_HOST=ftn2:3): a hang report
+    names it, --dist-timeout ends the wait, and the step starts again; after its second failure
+    the job leaves ftn2 out (one line says so, and why), and, holding no other node, is
+    requeued with ftn2 in its ExcNodeList: it runs again on ftn1 and ftn3 and ends with exit 0.
+    The first test on a fresh cluster: Slurm gives a job the lowest free nodes, ftn1 and ftn2."""
+    args = [*FAST, "--epochs", "2", "--dist-timeout", "10", "--hang-after", "5"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"], args,
+                                RUN_NAME="sick", AID_HANG_HOST="ftn2:3", MAX_RESTARTS="5")
+    started = wait_for(tmp_path, r"^START .* restart=0 nodes=ftn\[1-2\] ")
+    events = {"second attempt": wait_for(tmp_path, r"^ATTEMPT 2/6 after exit \d+ ", timeout=300),
+              "ftn2 left out, requeued": wait_for(tmp_path, r"^requeueing Slurm job ", timeout=300),
+              "running again": wait_for(tmp_path, r"^START .* restart=1 ", timeout=300),
+              "training again": wait_for(tmp_path, r"^0: epoch   1 \|", timeout=300)}
+    job_id, out = finish(client, tmp_path)
+    events["END"] = time.monotonic()
+    print("\n" + "; ".join(f"{what} at {when - started:.1f} s" for what, when in events.items()) + " after the job's START")
+    left = re.findall(r"^leaving ftn2 out of this job from now on: .*$", out, re.M)
+    assert len(left) == 1 and re.fullmatch(
+        r"leaving ftn2 out of this job from now on: 2 failures were pinned on it \(attempt 1, exit \d+: a hang report "
+        r"named rank 1 on it.*; attempt 2, exit \d+: a hang report named rank 1 on it.*\)", left[0]), out[-4000:]
+    print(left[0])
+    assert re.search(rf"^requeueing Slurm job {job_id} after exit \d+: the job holds 2 of its 2 nodes \(ftn\[1-2\]\), 1 "
+                     r"without the node it leaves out, fewer than MIN_NODES=2 \(unset: every node of the job\); it resumes", out, re.M)
+    assert re.search(rf"^START .* job={job_id} restart=1 nodes=ftn\[1,3\] ", out, re.M), out[-4000:]
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    # The supervisor names ftn2 once, as left out (the ranks' lines and srun's name it as they run there).
+    assert [line for line in out.splitlines() if "ftn2" in line and not re.match(r"\d+: |srun: ", line)] == left
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "sick")] == [1, 2]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,141 @@
+"""Which node a failure is pinned on, and the nodes a job leaves out. Python 3.6, standard
+library only.
+
+After a step that a restart may fix (settle's retry), the supervisor pins the failure on the
+node that the ranks' files name (failure_pins): the node of a rank that a hang report named
+as the one the others wait for (JobPaths.HUNG), of a rank killed by a signal (settle's
+killed ranks, by the nodes rank 0 listed: JobPaths.NODES), of a rank whose node failed it (a
+fault of its GPU, ECC, NVLink or a busy device: JobPaths.NODE_FAULT); and a node the job lost (the supervisor
+sees the job's NodeList shrink). A lost peer (4) pins nothing by itself: every node that
+lost the peer records it. Nor does a bug, a usage problem or a divergence (1, 2, 3): the run
+fails so on any node. When one kind of failure names every node of the step, nothing tells
+the nodes apart, and it pins none (so a job on one node never leaves its node out).
+
+The job keeps its pins, across its restarts and requeues, in a file beside its folder
+(JobPaths.node_failures: the folder is cleared at each start), each with the ranks it
+followed; a node pinned LEAVE_OUT_AFTER times is left out from then on. But a rank pinned on
+two different nodes carries its failure with it (rank 0 that deadlocks, or that runs out of
+memory, wherever it runs): the run's own failure, for which no node is left out."""
+
+import os
+import re
+from typing import Dict, List, NamedTuple, Sequence
+
+from ddpkit.contract import JobPaths, read_hung, read_node_fault
+from ddpkit.supervisor.outcome import Outcome
+
+LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out
+
+class Pin(NamedTuple):
+    """One failure pinned on a node."""
+    ranks: str  # the ranks it followed there, space-separated ("" for a node the job lost)
+    why: str
+
+
+def read_lines(path: str) -> List[str]:
+    """The lines of a file the ranks or the supervisor left, [] when there is none."""
+    try:
+        with open(path) as file:
+            return [line.strip() for line in file if line.strip()]
+    except OSError:
+        return []
+
+
+def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[str, Pin]:
+    """The nodes this step's failure is pinned on, each with why, from the files the ranks left
+    in the job's folder; `step` is the step's nodes, should the ranks not have met (rank 0
+    lists them by rank once they did: JobPaths.NODES). A kind of failure that names every node
+    of the step pins none."""
+    by_rank = read_lines(os.path.join(job_dir, JobPaths.NODES))
+    hung, killed = {}, {}  # type: Dict[str, List[str]], Dict[str, List[str]]
+    faults = {}  # type: Dict[str, List[Pin]]
+    for rank, node in read_hung("\n".join(read_lines(os.path.join(job_dir, JobPaths.HUNG)))):
+        hung.setdefault(node, []).append(rank)
+    for rank in outcome.killed:
+        if rank < len(by_rank):
+            killed.setdefault(by_rank[rank], []).append(str(rank))
+    for name in sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []:
+        match = re.fullmatch(JobPaths.NODE_FAULT.format(r"(\d+)"), name)
+        node, fault = read_node_fault("\n".join(read_lines(os.path.join(job_dir, name)))) if match else ("", "")
+        if node:
+            faults.setdefault(node, []).append(Pin(match.group(1), f"rank {match.group(1)} on it failed with {fault}"))
+    kinds = [{node: Pin(" ".join(ranks), f"a hang report named rank {' '.join(ranks)} on it")
+              for node, ranks in hung.items()},
+             {node: Pin(" ".join(ranks), f"rank {' '.join(ranks)} on it was killed by a signal")
+              for node, ranks in killed.items()},
+             {node: Pin(" ".join(pin.ranks for pin in found), " and ".join(pin.why for pin in found))
+              for node, found in faults.items()}]
+    every = set(by_rank or step)
+    pins = {}  # type: Dict[str, Pin]
+    for kind in kinds:
+        if every and every <= set(kind):  # (every node of the step: nothing tells them apart)
+            continue
+        for node, pin in kind.items():
+            if node in pins:
+                ranks = pins[node].ranks.split() + [rank for rank in pin.ranks.split() if rank not in pins[node].ranks.split()]
+                pin = Pin(" ".join(ranks), f"{pins[node].why} and {pin.why}")
+            pins[node] = pin
+    return pins
+
+
+def read_pins(path: str) -> Dict[str, List[Pin]]:
+    """The failures pinned on each node so far (JobPaths.node_failures: a line each, the node,
+    the ranks and the failure and why, separated by tabs), in the order they came."""
+    pins = {}  # type: Dict[str, List[Pin]]
+    for line in read_lines(path):
+        node, _, rest = line.partition("\t")
+        ranks, _, why = rest.partition("\t")
+        pins.setdefault(node, []).append(Pin(ranks.strip(), why))
+    return pins
+
+
+def record_pins(path: str, pins: Dict[str, Pin], failure: str) -> Dict[str, List[Pin]]:
+    """Add one failure's pins (node -> its ranks and why) to the job's record, the why as
+    "<failure>: <why>", and return every node's pins so far."""
+    if pins:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as file:
+            file.write("".join(f"{node}\t{pin.ranks}\t{failure}: {pin.why}\n" for node, pin in pins.items()))
+    return read_pins(path)
+
+
+def ranks_on_two_nodes(pins: Dict[str, List[Pin]]) -> Dict[str, List[str]]:
+    """The ranks pinned on two different nodes or more, each with those nodes: their failure
+    follows the rank, not a node."""
+    nodes = {}  # type: Dict[str, List[str]]
+    for node, failures in pins.items():
+        for rank in {rank for pin in failures for rank in pin.ranks.split()}:
+            nodes.setdefault(rank, []).append(node)
+    return {rank: sorted(on) for rank, on in nodes.items() if len(on) > 1}
+
+
+def left_out(pins: Dict[str, List[Pin]]) -> List[str]:
+    """The nodes the job leaves out: those LEAVE_OUT_AFTER failures or more were pinned on,
+    not counting a failure that followed a rank pinned on another node too."""
+    wandering = set(ranks_on_two_nodes(pins))
+    return [node for node, failures in pins.items()
+            if len([pin for pin in failures if not set(pin.ranks.split()) & wandering]) >= LEAVE_OUT_AFTER]
+
+
+def run_failure_line(rank: str, nodes: List[str]) -> str:
+    """The one line that says a rank's failure is the run's own, not a node's."""
+    return (f"rank {rank} failed on {' and on '.join(nodes)}: the failure follows the rank, the run's own, and no node "
+            "is left out for it")
+
+
+def leave_out_line(node: str, failures: List[Pin]) -> str:
+    """The one line that says a node is left out, and why."""
+    whys = "; ".join(pin.why for pin in failures)
+    return f"leaving {node} out of this job from now on: {len(failures)} failures were pinned on it ({whys})"
+
+
+def with_excluded(excluded: str, nodes: Sequence[str]) -> str:
+    """A job's ExcNodeList (as scontrol shows it: "(null)" for none) with `nodes` added, as a
+    list that scontrol update and sbatch --exclude read."""
+    given = [] if excluded in ("", "(null)") else re.findall(r"(?:[^,\[]|\[[^\]]*\])+", excluded)  # (node[1-3],gpu4)
+    return ",".join(given + [node for node in nodes if node not in given])
+
+
+def of_one_step(name: str) -> bool:
+    """Whether a file of the job's folder tells of one step alone, cleared before the next."""
+    return name in (JobPaths.NODES, JobPaths.HUNG) or re.fullmatch(JobPaths.NODE_FAULT.format(r"\d+"), name) is not None

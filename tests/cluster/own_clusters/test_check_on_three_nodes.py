@@ -1,0 +1,39 @@
+"""CHECK=1 on three nodes in network namespaces (local-slurm.sh; ftn1, ftn2, ftn3), one of
+them slowed from outside: with the aid AID_SLOW_HOST=ftn2:0.5 each of the doctor's timed
+training steps sleeps 0.5 s more on ftn2. The check names ftn2 in one line with the `sbatch
+--exclude=ftn2` that leaves it out, and no other node or rank, times the links between the
+three pairs of nodes (none of them slowed: no line blames ftn2's network), and still passes
+(exit 0: slow, not broken). The links are veth pairs on one machine of 2 cores, which other
+tests' jobs may load at the same moment, so whether ftn1-ftn3 passes for slow is left to
+the unit tests of the rule: tests/unit/test_doctor_speeds.py. The lines and times it prints
+are docs/clusters.md's.
+
+    python -m pytest tests/cluster/own_clusters/test_check_on_three_nodes.py
+"""
+
+import re
+import time
+
+from helpers.cluster import finish
+
+
+def test_check_names_the_slow_node_of_three_and_the_exclude_that_leaves_it_out(three_nodes, tmp_path):
+    options = ["--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"]
+    submitted = time.monotonic()
+    job_id, out = finish(three_nodes.sbatch(tmp_path, options, [], CHECK="1", AID_SLOW_HOST="ftn2:0.5"), tmp_path)
+    print(f"\n{chr(10).join(re.findall(r'^(?:0: check.*|START .*|END .*)$', out, re.M))}\n"
+          f"from sbatch to END: {time.monotonic() - submitted:.1f} s")
+    slow = re.findall(r"^0: check: (?:node|rank) .* is slow: .*$", out, re.M)
+    assert slow, out[-3000:]
+    assert re.fullmatch(r"0: check: node ftn2 is slow: a training step takes \d+\.\d ms there \(rank \d\), \d+\.\dx the "
+                        r"other nodes' median of \d+\.\d ms \(a node busy with another job, or throttled\?\); leave it "
+                        r"out: sbatch --exclude=ftn2", slow[0]), out[-3000:]
+    assert len(slow) == 1, slow  # (ftn1 and ftn3 alike; ftn2's ranks not named again)
+    assert not re.search(r"^0: check: the network of node ftn2 |^0: check: the link between .*ftn2", out, re.M), out[-3000:]
+    assert re.search(r"^0: check: a training step of the default model \(cnn, 128 images of 28 x 28\) takes [\d.]+ ms "
+                     r"on the median rank \([\d.]+-[\d.]+ ms over 3 ranks\)$", out, re.M), out[-3000:]
+    assert re.search(r"^0: check: an exchange of 16 MB each way between the first ranks of two nodes takes [\d.]+ s for "
+                     r"the median pair \([\d.]+-[\d.]+ s over 3 pairs\)$", out, re.M), out[-3000:]
+    assert re.search(r"^0: check passed in [\d.]+ s: every rank joined, .*; every step will wait for the slow ones "
+                     r"above$", out, re.M), out[-3000:]
+    assert re.search(rf"^END .* job={job_id} exit=0 \(CHECK=1: nothing was trained\)$", out, re.M)

@@ -1,0 +1,149 @@
+"""ddpkit/doctor.py's verdict on the speeds that `mnist_ddp.py --check` measures: which rank,
+node or pair of nodes is slower than 1.5 times the others (each line with the sbatch
+--exclude that leaves the node out), and the rounds in which the nodes' first ranks time
+their links, stopped by a time budget; the exit code of ranks that cannot run a step. The check in real runs: tests/runs/test_doctor.py (a slow rank on one host)
+and tests/cluster/own_clusters/test_check_on_three_nodes.py (a slow node of three).
+
+    python -m pytest tests/unit/test_doctor_speeds.py
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ddpkit import doctor
+from ddpkit.contract import EXIT_BUG, EXIT_NODE_FAULT
+from ddpkit.doctor import check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
+
+FAST = 0.02  # seconds of an exchange on a healthy link
+
+
+def same_links(*nodes: str, seconds: float = FAST) -> dict[tuple[str, str], float]:
+    return dict.fromkeys(itertools.combinations(nodes, 2), seconds)
+
+
+def test_a_slow_node_of_three_is_named_with_the_exclude_that_leaves_it_out():
+    lines = slow_lines([0.040, 0.352, 0.041], ["ftn1", "ftn2", "ftn3"], same_links("ftn1", "ftn2", "ftn3"))
+    assert lines == ["check: node ftn2 is slow: a training step takes 352.0 ms there (rank 1), 8.7x the other nodes' "
+                     "median of 40.5 ms (a node busy with another job, or throttled?); leave it out: sbatch --exclude=ftn2"]
+
+
+def test_a_node_is_as_fast_as_its_fastest_rank_and_a_slow_rank_of_a_healthy_node_is_named_alone():
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    whole = slow_lines([0.04, 0.04, 0.2, 0.21, 0.04, 0.04], nodes, same_links("a", "b", "c"))
+    assert whole == ["check: node b is slow: a training step takes 200.0 ms there (the fastest of ranks 2-3), 5.0x the "
+                     "other nodes' median of 40.0 ms (a node busy with another job, or throttled?); leave it out: sbatch "
+                     "--exclude=b"]  # (its ranks are not named again)
+    one = slow_lines([0.04, 0.04, 0.2, 0.04, 0.04, 0.04], nodes, same_links("a", "b", "c"))
+    assert one == ["check: rank 2 on b is slow: a training step takes 200.0 ms, 5.0x the other ranks' median of 40.0 ms "
+                   "(its device, or its CPUs?); leave its node out: sbatch --exclude=b"]
+
+
+def test_one_node_judges_its_ranks_alone_and_one_rank_says_nothing():
+    assert slow_lines([0.04, 0.3, 0.04], ["h", "h", "h"], {}) == [
+        "check: rank 1 on h is slow: a training step takes 300.0 ms, 7.5x the other ranks' median of 40.0 ms (its "
+        "device, or its CPUs?); leave its node out: sbatch --exclude=h"]
+    assert slow_lines([0.3], ["h"], {}) == []
+    assert slow_lines([], ["h", "h"], {}) == []  # (no step timed: nothing to say of it)
+
+
+@pytest.mark.parametrize(("times", "slow"), [
+    ({"a": 0.25, "b": 0.375}, {}),  # exactly 1.5x: not slower than it
+    ({"a": 0.25, "b": 0.376}, {"b": 0.25}),  # of two, each is measured by the other
+    ({"a": 0.1, "b": 0.1, "c": 0.1}, {}),  # all alike
+    ({"a": 0.1, "b": 0.1, "c": 0.04}, {}),  # two of three alike and slow: each pulls the other's measure up
+    ({"a": 0.1, "b": 0.1, "c": 0.04, "d": 0.04, "e": 0.04}, {"a": 0.04, "b": 0.04}),  # ... not of five
+    ({"a": 1.0}, {}),  # one: no others to measure it by
+])
+def test_slower_than_the_others_is_15_times_the_median_of_the_others(times, slow):
+    assert slower_than_the_others(times) == pytest.approx(slow)
+
+
+def test_a_node_whose_links_are_all_slow_is_named_even_of_three_where_the_median_pair_is_slow():
+    links = {("a", "b"): 0.3, ("a", "c"): 0.31, ("b", "c"): FAST}
+    assert slow_lines([0.04] * 3, ["a", "b", "c"], links) == [
+        "check: the network of node a is slow: an exchange of 16 MB with b, c takes 0.300-0.310 s, up to 15.5x the "
+        "median node's fastest exchange of 0.020 s; leave it out: sbatch --exclude=a"]
+
+
+def test_one_slow_link_names_the_pair_since_either_end_may_be_at_fault():
+    links = {**same_links("a", "b", "c", "d"), ("b", "d"): 0.3}
+    assert slow_lines([], ["a", "b", "c", "d"], links) == [
+        "check: the link between b and d is slow: an exchange of 16 MB takes 0.300 s, 15.0x the median node's fastest "
+        "exchange of 0.020 s; leave one of them out: sbatch --exclude=b (or --exclude=d)"]
+    two = {**same_links("a", "b", "c", "d"), ("a", "b"): 0.3, ("c", "d"): 0.3}  # no node in both
+    assert [line.split(" is slow")[0] for line in slow_lines([], ["a", "b", "c", "d"], two)] == [
+        "check: the link between a and b", "check: the link between c and d"]
+
+
+def test_two_slow_nodes_of_five_are_each_named_for_their_links():
+    links = same_links("a", "b", "c", "d", "e")
+    links.update({pair: 0.3 for pair in links if {"b", "d"} & set(pair)})
+    lines = slow_lines([], ["a", "b", "c", "d", "e"], links)
+    assert [line.split(":")[1] for line in lines] == [" the network of node b is slow", " the network of node d is slow"]
+    assert " with a, c, d, e takes 0.300 s, " in lines[0] and " with a, c, e takes 0.300 s, " in lines[1]
+    assert [line.split("; ")[-1] for line in lines] == ["leave it out: sbatch --exclude=b", "leave it out: sbatch --exclude=d"]
+
+
+def test_two_nodes_have_one_pair_and_nothing_to_measure_it_by():
+    assert slow_lines([0.04, 0.04], ["a", "b"], {("a", "b"): 3.0}) == []
+
+
+def test_the_figures_give_the_median_and_the_range():
+    assert speed_figures("a step", [0.040, 0.352, 0.041], same_links("a", "b", "c")) == [
+        "check: a step takes 41.0 ms on the median rank (40.0-352.0 ms over 3 ranks)",
+        "check: an exchange of 16 MB each way between the first ranks of two nodes takes 0.020 s for the median pair "
+        "(0.020-0.020 s over 3 pairs)"]
+
+
+@pytest.mark.parametrize("count", range(1, 10))
+def test_the_rounds_pair_every_two_nodes_once_and_no_node_twice_in_a_round(count):
+    rounds = pair_rounds(count)
+    pairs = [pair for round_pairs in rounds for pair in round_pairs]
+    assert sorted(pairs) == list(itertools.combinations(range(count), 2))
+    assert all(len({node for pair in round_pairs for node in pair}) == 2 * len(round_pairs) for round_pairs in rounds)
+    assert len(rounds) == (0 if count == 1 else count - 1 + count % 2)
+
+
+def test_a_step_slower_by_less_than_the_noise_floor_names_nothing():
+    """2.9x the others but 1.9 ms slower: a GPU step's jitter, not a slow node; 2.5 ms slower is."""
+    assert slow_lines([0.0010, 0.0029, 0.0010], ["a", "b", "c"], same_links("a", "b", "c")) == []
+    assert slower_than_the_others({"a": 0.001, "b": 0.0029}, doctor.STEP_NOISE) == {}
+    assert slow_lines([0.0010, 0.0035, 0.0010], ["a", "b", "c"], {})[0].startswith("check: node b is slow")
+
+
+def test_a_rank_that_cannot_run_a_step_is_a_nodes_fault_only_for_its_gpu():
+    """Every broken rank failed on its GPU (ECC, NVLink, a busy device): 5, as in training; any
+    other error on one of them: 1; none broken: 0."""
+    assert check_code([], []) == 0
+    assert check_code([1, 2], [1, 2]) == EXIT_NODE_FAULT
+    assert check_code([1, 2], [1]) == EXIT_BUG
+
+
+def _pairs_within_a_budget(rank: int, init: str, budget: float, result: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    doctor.PAIR_BYTES, doctor.PAIR_BUDGET = 4096, budget
+    exchanges = []
+    real = doctor.exchange
+    doctor.exchange = lambda peer, data, into: (exchanges.append(peer), real(peer, data, into))
+    times = doctor.time_pairs_of_nodes_all_ranks(torch.device("cpu"), ["a", "b"], rank)
+    result[rank] = (len(exchanges), list(times))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("budget", "passes"), [(0.0, 2), (60.0, 1 + doctor.PAIR_REPEATS)])
+def test_the_pairs_passes_stop_once_the_budget_is_spent_on_every_rank_alike(tmp_path, budget, passes):
+    """Two real Gloo ranks on two nodes: with the budget spent at once, the untimed pass and one
+    timed pass (2 exchanges each: the start, then the data), on both ends; within it, all."""
+    result = mp.Manager().dict()
+    ctx = mp.get_context("spawn")
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_pairs_within_a_budget, args=(rank, init, budget, result)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert dict(result) == {0: (2 * passes, [("a", "b")]), 1: (2 * passes, [("a", "b")])}

@@ -1,0 +1,322 @@
+"""The job leaves a bad node out (ddpkit/supervisor/nodes.py and the supervisor's use of it),
+without Slurm: which node a failure is pinned on, from the files the ranks leave (a hang
+report's named rank, a rank killed by a signal, a rank whose node failed it, a node the job
+lost), and what pins nothing (a bug, a lost peer alone, a failure on every node); then the
+supervisor run as run_training.sbatch hands over to it, with a stand-in srun whose steps
+leave those files and a stand-in scontrol: a node pinned twice is left out, once; the step
+starts again on the job's other nodes when MIN_NODES allows, else the job is requeued with
+the node in its ExcNodeList; the line after END excludes it. The same on a real Slurm:
+tests/cluster/own_clusters/test_recovery_across_nodes.py.
+
+    python -m pytest tests/unit/test_supervisor_nodes.py
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.contract import JobEnv, JobPaths
+from ddpkit.supervisor.nodes import (
+    Pin,
+    failure_pins,
+    leave_out_line,
+    left_out,
+    ranks_on_two_nodes,
+    read_pins,
+    record_pins,
+    with_excluded,
+)
+from ddpkit.supervisor.outcome import Outcome
+from helpers.processes import ROOT, clean_env
+from helpers.supervisor import LINE
+
+LOST_PEER = Outcome(4, True, "rank 0 lost contact with a peer that died or hung")
+
+
+def leave(job_dir: Path, files: dict) -> Path:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (job_dir / name).write_text(text)
+    return job_dir
+
+
+# ----------------------------------------------------------------------------- which node a failure is pinned on
+
+@pytest.mark.parametrize("files, outcome, pins", [
+    # A hang report names rank 1, on n2, as the one the others wait for.
+    ({JobPaths.NODES: "n1\nn2\nn3\n", JobPaths.HUNG: "1 n2\n"}, LOST_PEER, {"n2": Pin("1", "a hang report named rank 1 on it")}),
+    # A rank killed by a signal, and the report of the hang that came before it: one pin.
+    ({JobPaths.NODES: "n1\nn2\nn3\n", JobPaths.HUNG: "1 n2\n"}, Outcome(137, True, "", killed=(1,)),
+     {"n2": Pin("1", "a hang report named rank 1 on it and rank 1 on it was killed by a signal")}),
+    # A rank's node failed it (its CUDA error), before the ranks met (no node list).
+    ({JobPaths.NODE_FAULT.format(2): "n3 CUDA error: uncorrectable ECC error encountered\n"},
+     Outcome(5, True, "rank 2 failed on a fault of its node"),
+     {"n3": Pin("2", "rank 2 on it failed with CUDA error: uncorrectable ECC error encountered")}),
+    # A lost peer alone: every node that lost it records 4; none of them is pinned.
+    ({JobPaths.NODES: "n1\nn2\nn3\n"}, LOST_PEER, {}),
+    # Ranks killed on every node of the step (srun ended them all): nothing tells them apart.
+    ({JobPaths.NODES: "n1\nn2\nn3\n"}, Outcome(137, True, "", killed=(0, 1, 2)), {}),
+    # The same CUDA error on every node: the run's, or the site's, not one node's.
+    ({JobPaths.NODES: "n1\nn2\n", JobPaths.NODE_FAULT.format(0): "n1 CUDA error: uncorrectable ECC error encountered\n",
+      JobPaths.NODE_FAULT.format(1): "n2 CUDA error: uncorrectable ECC error encountered\n"}, Outcome(5, True, ""), {}),
+    # A job on one node never pins its node: nothing tells its fault from the run's.
+    ({JobPaths.NODES: "n1\nn1\n", JobPaths.HUNG: "1 n1\n"}, LOST_PEER, {}),
+])
+def test_which_node_a_failure_is_pinned_on(tmp_path, files, outcome, pins):
+    assert failure_pins(str(leave(tmp_path / "job", files)), outcome, ["n1", "n2", "n3"]) == pins
+
+
+def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder(tmp_path):
+    record = str(tmp_path / "runs" / "r" / JobPaths.JOB_DIRS / JobPaths.NODE_FAILURES.format("77"))
+    assert read_pins(record) == {} and left_out(read_pins(record)) == []
+    record_pins(record, {"n2": Pin("1", "a hang report named rank 1 on it")}, "attempt 1, exit 4")
+    pins = record_pins(record, {"n2": Pin("1", "a hang report named rank 1 on it"),
+                                "n3": Pin("2", "rank 2 on it was killed by a signal")},
+                       "attempt 2, exit 137")
+    assert left_out(pins) == ["n2"] and len(pins["n3"]) == 1
+    assert leave_out_line("n2", pins["n2"]) == (
+        "leaving n2 out of this job from now on: 2 failures were pinned on it (attempt 1, exit 4: a hang report named "
+        "rank 1 on it; attempt 2, exit 137: a hang report named rank 1 on it)")
+    assert with_excluded("(null)", ["n2"]) == "n2"
+    assert with_excluded("gpu[3-4],n2", ["n2", "n5"]) == "gpu[3-4],n2,n5"  # (yours kept, each node once)
+
+
+# ----------------------------------------------------------------------------- the supervisor with them
+
+def supervised_job(tmp_path: Path, steps: list, nodes: list, excluded: str = "(null)", **env: str
+                   ) -> subprocess.CompletedProcess:
+    """The supervisor, as run_training.sbatch hands over to it, in a job of one rank on each of
+    `nodes`, its project a copy in tmp_path/project. Stand-ins on its PATH: srun records its
+    options (srun.log, a line a step) and runs the next of `steps` (shell lines that leave the
+    ranks' files in the job's folder, $EXITS, and exit as srun would); scontrol shows the job as
+    `nodes` and `excluded` say (its line, with NumNodes, NodeList and ExcNodeList), lists a node list's
+    nodes (comma-separated here), records each command (scontrol.log) and refuses every
+    requeue, unless tmp_path/requeue-accepted exists: then it ends the supervisor as Slurm
+    would, with SIGTERM and, 3 s later, SIGKILL; PYTHON answers the supervisor's check that
+    it imports torch."""
+    project, tools = tmp_path / "project", tmp_path / "bin"
+    if not project.exists():
+        shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+        (project / "mnist_ddp.py").write_text("v1\n")
+        tools.mkdir()
+        (tools / "srun").write_text(f"""#!/bin/bash
+words=()
+while [[ $1 == -* ]]; do words+=("$1"); shift; done
+echo "${{words[*]}}" >> {tmp_path}/srun.log
+EXITS=${JobEnv.EXIT_DIR}; mkdir -p "$EXITS"
+source {tmp_path}/step-$(wc -l < {tmp_path}/srun.log)
+""")
+        (tools / "scontrol").write_text(f"""#!/bin/bash
+echo "$*" >> {tmp_path}/scontrol.log
+case "$1 $2" in
+  "show job") cat {tmp_path}/shows ;;
+  "show hostnames") echo "$3" | tr , '\\n' ;;
+  "update "*) ;;
+  "requeue "*) if [ -f {tmp_path}/requeue-accepted ]; then  # (then Slurm ends the job: SIGTERM, and SIGKILL later)
+      kill -TERM $PPID; (sleep 3; kill -KILL $PPID) >/dev/null 2>&1 & exit 0; fi
+    echo "scontrol: error: Requested operation is presently disabled for job $2" >&2; exit 1 ;;
+esac
+""")
+        (tools / "python").write_text("#!/bin/sh\necho python=here torch=2\n")
+        for tool in tools.iterdir():
+            tool.chmod(0o755)
+    for n, step in enumerate(steps, 1):
+        (tmp_path / f"step-{n}").write_text(step)
+    for log in ("srun.log", "scontrol.log"):
+        (tmp_path / log).unlink(missing_ok=True)
+    (tmp_path / "shows").write_text(f"{LINE} NumNodes={len(nodes)} NodeList={','.join(nodes)} ExcNodeList={excluded}\n")
+    job = {"SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_NTASKS": str(len(nodes)),
+           "SLURM_JOB_NUM_NODES": str(len(nodes)), "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": ",".join(nodes),
+           "MASTER_ADDR": "127.0.0.1", "PYTHON": str(tools / "python"), **env}
+    return subprocess.run([sys.executable, str(project / "ddpkit" / "supervisor" / "main.py"), "supervise", "--project",
+                           str(project), "--batch-file", str(project / "run_training.sbatch"), "--environment", "VENV=/v",
+                           "--", "--epochs", "3"], cwd=tmp_path, env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **job),
+                          capture_output=True, text=True, timeout=120)
+
+
+def step(nodes: list, codes: dict, status: int, hung: str = "", world_sizes: str = "", then: str = "") -> str:
+    """A step's shell lines: rank 0 lists the nodes (and the world sizes) once the ranks met,
+    and its line that continues the run; a hang report names `hung` ("RANK NODE"); each rank
+    of `codes` records its code; `then` runs; srun exits with `status`."""
+    lines = [f"printf '{''.join(n + chr(92) + 'n' for n in nodes)}' > $EXITS/{JobPaths.NODES}",
+             f'echo "${JobEnv.RESUBMIT} --epochs 3" > $EXITS/{JobPaths.CONTINUE_COMMAND}']
+    if world_sizes:
+        lines.append(f"echo {world_sizes} > $EXITS/{JobPaths.WORLD_SIZES}")
+    if hung:
+        lines.append(f"echo '{hung}' > $EXITS/{JobPaths.HUNG}")
+    lines += [f"echo {code} > $EXITS/{JobPaths.RANK_CODE.format(rank)}" for rank, code in codes.items()]
+    return "\n".join(lines + [then, f"exit {status}"]) + "\n"
+
+
+def printed(result: subprocess.CompletedProcess, start: str) -> list:
+    return [line for line in result.stdout.splitlines() if line.startswith(start)]
+
+
+def test_a_node_pinned_twice_is_left_out_and_the_step_goes_on_on_the_jobs_other_nodes(tmp_path):
+    """MIN_NODES=2 of 3 nodes: rank 1's node, n2, hangs at two starts. After the second, one
+    line leaves it out, and the step starts again on n1 and n3 (srun excludes n2), on which
+    it ends with exit 0; the job's record keeps both failures."""
+    nodes = ["n1", "n2", "n3"]
+    hang = step(nodes, {0: 4, 2: 4}, 137, hung="1 n2", world_sizes="1 2 3")
+    result = supervised_job(tmp_path, [hang, hang, step(["n1", "n3"], {0: 0, 1: 0}, 0)], nodes, MIN_NODES="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines() == [
+        "--label --kill-on-bad-exit=1", "--label --kill-on-bad-exit=1",
+        "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --exclude=n2"]
+    why = "a hang report named rank 1 on it and rank 1 on it was killed by a signal"
+    assert printed(result, "leaving") == [f"leaving n2 out of this job from now on: 2 failures were pinned on it "
+                                          f"(attempt 1, exit 137: {why}; attempt 2, exit 137: {why})"]
+    assert printed(result, "ATTEMPT 3/4")[0].endswith(
+        ": the job holds 3 of its 3 nodes (n1,n2,n3), 2 without the node it leaves out, so on 2 node(s) with 2 rank(s) instead of 3; "
+        "it resumes from the newest checkpoint")
+    assert list(read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))) == ["n2"]
+
+
+def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_line_after_end_excludes_it(tmp_path):
+    """2 nodes, MIN_NODES unset: after n2's second failure the job is requeued, and right after
+    (Slurm changes the ExcNodeList of a pending job alone) asked to keep off n2, the SIGTERM
+    that ends the job held off meanwhile. Where Slurm refuses the requeue, the line after END
+    excludes n2. Requeued (SLURM_RESTART_COUNT) onto n1 and n3 with n2 excluded, the job does
+    not name n2 again, and its line still excludes it."""
+    nodes = ["n1", "n2"]
+    hang = step(nodes, {0: 4}, 4, hung="1 n2")
+    (tmp_path / "requeue-accepted").touch()
+    result = supervised_job(tmp_path, [hang, hang], nodes)
+    asked = [line for line in (tmp_path / "scontrol.log").read_text().splitlines() if not line.startswith("show")]
+    assert (result.returncode, asked) == (-9, ["requeue 77", "update JobId=77 ExcNodeList=n2"]), result.stdout
+    assert len(printed(result, "leaving n2 out of this job from now on: 2 failures")) == 1
+    (tmp_path / "requeue-accepted").unlink()
+    (tmp_path / "runs" / "job-77" / JobPaths.JOB_DIRS / JobPaths.NODE_FAILURES.format("77")).unlink()
+    result = supervised_job(tmp_path, [hang, hang], nodes)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert printed(result, "requeueing Slurm job 77 after exit 4: the job holds 2 of its 2 nodes (n1,n2), 1 without the node "
+                           "it leaves out, fewer than MIN_NODES=2 (unset: every node of the job); it resumes")
+    end = result.stdout.splitlines()[-1]
+    assert end.startswith("to continue from the newest checkpoint, from ") and \
+        " --exclude=n2 " in end and end.endswith("run_training.sbatch --epochs 3"), end
+    requeued = supervised_job(tmp_path, [step(["n1", "n3"], {0: 4}, 4, hung="1 n3"),
+                                         step(["n1", "n3"], {}, 0, then=f'echo "${JobEnv.RESUBMIT}" > {tmp_path}/line')],
+                              ["n1", "n3"], excluded="n2", SLURM_RESTART_COUNT="1")
+    assert requeued.returncode == 0 and "leaving" not in requeued.stdout, requeued.stdout + requeued.stderr
+    assert " --exclude=n2 " in (tmp_path / "line").read_text()
+    pins = read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    assert pins["n3"] == [Pin("1", "attempt 1 after 1 requeue(s), exit 4: a hang report named rank 1 on it")]
+
+
+def test_what_a_bug_a_divergence_or_a_lost_peer_alone_leaves_pins_nothing(tmp_path):
+    """A bug on rank 1 after a hang report named it (exit 1): never restarted, nothing pinned;
+    nor after ranks that only lost a peer, restarted until the restarts run out."""
+    nodes = ["n1", "n2"]
+    bug = supervised_job(tmp_path, [step(nodes, {0: 4, 1: 1}, 1, hung="1 n2")], nodes)
+    assert bug.returncode == 1 and "leaving" not in bug.stdout
+    lost = supervised_job(tmp_path, [step(nodes, {0: 4, 1: 4}, 4)] * 2, nodes, MAX_RESTARTS="1")
+    assert lost.returncode == 4 and "ATTEMPT 2/2" in lost.stdout and "leaving" not in lost.stdout
+    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+
+
+# ----------------------------------------------------------------------------- what caps the nodes left out
+
+def test_a_rank_pinned_on_two_nodes_is_the_runs_own_failure_and_leaves_no_node_out(tmp_path):
+    """Rank 0 killed twice on n1 (out of memory, say) leaves n1 out; killed again on n2, where it
+    runs next, the failure follows the rank: neither node is left out for it. A node the job
+    lost (no rank) still counts."""
+    record = str(tmp_path / JobPaths.NODE_FAILURES.format("77"))
+    killed = Pin("0", "rank 0 on it was killed by a signal")
+    record_pins(record, {"n1": killed}, "attempt 1, exit 137")
+    assert left_out(record_pins(record, {"n1": killed}, "attempt 2, exit 137")) == ["n1"]
+    pins = record_pins(record, {"n2": killed, "n3": Pin("", "the job lost it")}, "attempt 1 after 1 requeue(s), exit 137")
+    assert ranks_on_two_nodes(pins) == {"0": ["n1", "n2"]} and left_out(pins) == []
+    pins = record_pins(record, {"n3": Pin("", "the job lost it")}, "attempt 2 after 1 requeue(s), exit 137")
+    assert left_out(pins) == ["n3"]
+
+
+def test_a_rank_that_fails_on_every_node_it_runs_on_leaves_none_out_and_says_so(tmp_path):
+    """A hang report names rank 0 each time (the run's own deadlock): on n1 at two starts, n1 is
+    left out and the step goes on without it, rank 0 now on n2; named there too, the failure
+    is the run's, one line says so, and no second node is left out."""
+    nodes = ["n1", "n2", "n3"]
+    on_n1 = step(nodes, {1: 4, 2: 4}, 4, hung="0 n1", world_sizes="1 2 3")
+    on_n2 = step(["n2", "n3"], {1: 4}, 4, hung="0 n2", world_sizes="1 2 3")
+    result = supervised_job(tmp_path, [on_n1, on_n1, on_n2, on_n2], nodes, MIN_NODES="1")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert printed(result, "leaving") == [line for line in printed(result, "leaving n1 ")]
+    assert printed(result, "rank 0 failed") == [
+        "rank 0 failed on n1 and on n2: the failure follows the rank, the run's own, and no node is left out for it"]
+    assert (tmp_path / "srun.log").read_text().splitlines()[2:] == ["--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 "
+                                                                    "--exclude=n1"] * 2
+    assert "gave up after 4 attempts" in printed(result, "END")[0]
+
+
+def test_a_job_is_requeued_once_to_leave_a_node_out_never_twice(tmp_path):
+    """A job requeued to leave n2 out (its record says so), then n3 pinned twice, with too few
+    nodes left without it: not requeued again (each round might leave out another healthy
+    node); it starts again as before until MAX_RESTARTS, then its END line and the line that
+    continues the run, which excludes both."""
+    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record.parent.mkdir(parents=True)
+    record.write_text("n2\t\tattempt 1, exit 137: the job lost it (Slurm took it from the job)\n" * 2)
+    (tmp_path / "requeue-accepted").touch()
+    hang = step(["n1", "n3"], {0: 4}, 4, hung="1 n3")
+    result = supervised_job(tmp_path, [hang] * 3, ["n1", "n3"], excluded="n2", SLURM_RESTART_COUNT="1",
+                            MAX_RESTARTS="2")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "requeue 77" not in (tmp_path / "scontrol.log").read_text()
+    assert printed(result, "ATTEMPT 3/3")[0].endswith(" with n3 (not requeued a second time to leave a node out); it "
+                                                      "resumes from the newest checkpoint")
+    assert "gave up after 3 attempts" in printed(result, "END")[0]
+    assert " --exclude=n2,n3 " in result.stdout.splitlines()[-1]
+
+
+def test_a_requeued_job_leaves_its_nodes_out_from_its_first_step(tmp_path):
+    """Requeued, the job holds n2 again (Slurm could not keep it off): with MIN_NODES=2 its first
+    step runs without n2; with MIN_NODES unset (every node), it runs on n2 as before, and a
+    failure pinned there requeues it no more."""
+    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record.parent.mkdir(parents=True)
+    record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2)
+    (record.parent / "job-77").mkdir()
+    (record.parent / "job-77" / JobPaths.WORLD_SIZES).write_text("1 2 3\n")  # (the job's last start left them)
+    nodes = ["n1", "n2", "n3"]
+    result = supervised_job(tmp_path, [step(["n1", "n3"], {0: 0, 1: 0}, 0)], nodes, SLURM_RESTART_COUNT="1",
+                            MIN_NODES="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines() == ["--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 "
+                                                                "--exclude=n2"]
+    assert printed(result, "the job holds n2 again") == [
+        "the job holds n2 again, which it leaves out: its step runs on 2 node(s) with 2 rank(s) instead of 3, without it"]
+    (tmp_path / "requeue-accepted").touch()
+    hang = step(["n1", "n2"], {0: 4}, 4, hung="1 n2")
+    result = supervised_job(tmp_path, [hang] * 2, ["n1", "n2"], SLURM_RESTART_COUNT="1", MAX_RESTARTS="1")
+    assert result.returncode == 4 and "gave up after 2 attempts" in printed(result, "END")[0], result.stdout
+    assert "requeue 77" not in (tmp_path / "scontrol.log").read_text()
+    assert (tmp_path / "srun.log").read_text().splitlines() == ["--label --kill-on-bad-exit=1"] * 2
+
+
+def test_after_a_node_left_out_a_lost_node_leaves_the_step_on_the_usable_nodes_alone(tmp_path):
+    """n2 left out (the step on n1 and n3), then n3 lost: the job holds n1 and n2, of which n1
+    alone is usable: the step goes on on 1 node, still without n2."""
+    nodes = ["n1", "n2", "n3"]
+    hang = step(nodes, {0: 4, 2: 4}, 137, hung="1 n2", world_sizes="1 2 3")
+    lose_n3 = step(["n1", "n3"], {0: 4}, 137, world_sizes="1 2 3",
+                   then=f"echo '{LINE} NumNodes=2 NodeList=n1,n2 ExcNodeList=(null)' > {tmp_path}/shows")
+    result = supervised_job(tmp_path, [hang, hang, lose_n3, step(["n1"], {0: 0}, 0)], nodes, MIN_NODES="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines()[2:] == [
+        "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --exclude=n2",
+        "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
+
+
+def test_a_node_name_outside_the_jobs_node_list_is_never_pinned(tmp_path):
+    """Ranks that name their nodes otherwise than Slurm (a container without SLURMD_NODENAME: its
+    own host name) pin nothing, though a hang report names one and the job loses n2: no
+    bogus name in the record or in --exclude, and no lost node pinned for names not the job's."""
+    nodes = ["n1", "n2"]
+    shows_n1 = f"echo '{LINE} NumNodes=1 NodeList=n1 ExcNodeList=(null)' > {tmp_path}/shows"
+    hang = step(["c7f3a", "c9b2e"], {0: 4}, 4, hung="1 c9b2e", world_sizes="1 2", then=shows_n1)
+    result = supervised_job(tmp_path, [hang, hang, step(["c7f3a"], {0: 0}, 0)], nodes, MIN_NODES="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "leaving" not in result.stdout and "c9b2e" not in (tmp_path / "srun.log").read_text()
+    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
