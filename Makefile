@@ -27,7 +27,9 @@ PY     := $(VENV)/bin/python
 # Each worker holds torch twice (itself and its preloaded fork server, tests/helpers/preloaded.py):
 # about 1.5 GB.
 WORKERS ?= auto
-XDIST   := -n $(WORKERS) --maxprocesses 8
+# worksteal: a worker whose tests are done takes the other's waiting ones, so the long runs
+# do not queue behind one worker at the end.
+XDIST   := -n $(WORKERS) --maxprocesses 8 --dist worksteal
 
 .PHONY: run test test-fast check-docs mutants
 

@@ -1,7 +1,6 @@
 """run_training.sbatch on a real Slurm 22.05 that the tests start with local-slurm.sh: the
 one node on the host's network that this group shares (two jobs at once sharing a data
-directory, SIGUSR1, requeues, environments, containers, the time limit,
-salloc). Also: the guard outside Slurm, the helper that prints torchrun commands (run for
+directory, SIGUSR1, requeues, environments, containers, the time limit). Also: the guard outside Slurm, the helper that prints torchrun commands (run for
 real), and bash -n plus shellcheck on every script. Two nodes in network namespaces, and the
 clusters a test starts for itself: tests/cluster/own_clusters/test_slurm_on_own_clusters.py.
 
@@ -410,33 +409,3 @@ def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tm
     params, alone = load_params(run_dir), load_params(tmp_path / "alone" / "runs" / "alone")
     for name in alone:
         torch.testing.assert_close(params[name], alone[name], rtol=0, atol=0, msg=name)
-
-
-def test_inside_salloc_srun_and_the_batch_file_train_and_resume_and_bare_python_is_refused(one_node, tmp_path):
-    """In an interactive allocation (salloc -N1 -n2): a bare `python mnist_ddp.py` stops with
-    the srun hint (it would train alone), but may stage the data; `srun python mnist_ddp.py` and `bash
-    run_training.sbatch` each train, stop on a signal (not requeued: Slurm requeues batch
-    jobs only) and resume when run again."""
-    inner = tmp_path / "inside.sh"
-    inner.write_text(f"""set -u
-common=(--data-dir "$PWD/data" --batch-size 64 --epochs 2 --log-dir "$PWD/runs")
-"$PYTHON" "$SCRIPT" "${{common[@]}}" --run-name bare; echo "BARE=$?"
-"$PYTHON" "$SCRIPT" "${{common[@]}}" --download-only; echo "DOWNLOAD=$?"
-srun "$PYTHON" "$SCRIPT" "${{common[@]}}" --run-name s --interrupt-at 20:USR1; echo "SRUN1=$?"
-srun "$PYTHON" "$SCRIPT" "${{common[@]}}" --run-name s; echo "SRUN2=$?"
-RUN_NAME=b bash {SBATCH_FILE} --batch-size 64 --epochs 2 --interrupt-at 20:USR1; echo "BATCH1=$?"
-RUN_NAME=b bash {SBATCH_FILE} --batch-size 64 --epochs 2; echo "BATCH2=$?"
-""")
-    env = {**one_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable}
-    result = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "salloc", "-N1", "-n2", "--cpus-per-task=1",
-                             "bash", str(inner)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    out = result.stdout + result.stderr
-    codes = dict(re.findall(r"^(BARE|DOWNLOAD|SRUN1|SRUN2|BATCH1|BATCH2)=(\d+)$", out, re.M))
-    assert codes == {"BARE": "2", "DOWNLOAD": "0", "SRUN1": "75", "SRUN2": "0", "BATCH1": "75", "BATCH2": "0"}, out[-4000:]
-    assert "mnist_ddp.py: error: SLURM_NTASKS=2 but this process was not started by srun" in out
-    assert not (tmp_path / "runs" / "bare").exists()
-    assert out.count("is an interactive allocation (salloc), which Slurm does not requeue") == 2, out[-4000:]
-    for name in ("s", "b"):
-        assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / name)] == [1, 2]
-    assert re.search(r"resumed from \S+/runs/s/checkpoints/ckpt-\d+\.pt", out)
-    assert re.search(r"^0: resumed from \S+/runs/b/checkpoints/ckpt-\d+\.pt", out, re.M)

@@ -4,7 +4,7 @@ surviving SIGUSR1, `CHECK=1` healthy and with a firewall between the nodes), two
 (the line after END asks for the same uneven task count), and single-node clusters a test
 starts for itself: task/affinity (each rank gets the CPUs it asked for), a node that
 advertises 18 CPUs (the site's SIGNAL in every form; the printed line that continues a job
-that may not requeue, run verbatim), a node with GPUs in gres.conf (the
+that may not requeue, run verbatim; salloc, srun and the batch file inside an allocation), a node with GPUs in gres.conf (the
 line after END keeps the GPUs however they were asked for). The shared one-node cluster's:
 tests/cluster/one_node/test_slurm.py.
 
@@ -154,6 +154,36 @@ SIGNAL_CASES = [  # (launcher, the signal sent, SIGNAL, sent to the batch shell 
     ("torchrun", "USR1", "USR1", True),
     ("srun", "TERM", "USR1", False),      # scancel's SIGTERM when SIGNAL is USR1: save and stop
 ]
+
+
+def test_inside_salloc_srun_and_the_batch_file_train_and_resume_and_bare_python_is_refused(roomy_node, tmp_path):
+    """In an interactive allocation (salloc -N1 -n2): a bare `python mnist_ddp.py` stops with
+    the srun hint (it would train alone), but may stage the data; `srun python mnist_ddp.py` and `bash
+    run_training.sbatch` each train, stop on a signal (not requeued: Slurm requeues batch
+    jobs only) and resume when run again."""
+    inner = tmp_path / "inside.sh"
+    inner.write_text(f"""set -u
+common=(--data-dir "$PWD/data" --batch-size 64 --epochs 2 --log-dir "$PWD/runs")
+"$PYTHON" "$SCRIPT" "${{common[@]}}" --run-name bare; echo "BARE=$?"
+"$PYTHON" "$SCRIPT" "${{common[@]}}" --download-only; echo "DOWNLOAD=$?"
+srun "$PYTHON" "$SCRIPT" "${{common[@]}}" --run-name s --interrupt-at 20:USR1; echo "SRUN1=$?"
+srun "$PYTHON" "$SCRIPT" "${{common[@]}}" --run-name s; echo "SRUN2=$?"
+RUN_NAME=b bash {SBATCH_FILE} --batch-size 64 --epochs 2 --interrupt-at 20:USR1; echo "BATCH1=$?"
+RUN_NAME=b bash {SBATCH_FILE} --batch-size 64 --epochs 2; echo "BATCH2=$?"
+""")
+    env = {**roomy_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable}
+    result = subprocess.run([str(LOCAL_SLURM), "exec", str(roomy_node.dir), "salloc", "-N1", "-n2", "--cpus-per-task=1",
+                             "bash", str(inner)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = result.stdout + result.stderr
+    codes = dict(re.findall(r"^(BARE|DOWNLOAD|SRUN1|SRUN2|BATCH1|BATCH2)=(\d+)$", out, re.M))
+    assert codes == {"BARE": "2", "DOWNLOAD": "0", "SRUN1": "75", "SRUN2": "0", "BATCH1": "75", "BATCH2": "0"}, out[-4000:]
+    assert "mnist_ddp.py: error: SLURM_NTASKS=2 but this process was not started by srun" in out
+    assert not (tmp_path / "runs" / "bare").exists()
+    assert out.count("is an interactive allocation (salloc), which Slurm does not requeue") == 2, out[-4000:]
+    for name in ("s", "b"):
+        assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / name)] == [1, 2]
+    assert re.search(r"resumed from \S+/runs/s/checkpoints/ckpt-\d+\.pt", out)
+    assert re.search(r"^0: resumed from \S+/runs/b/checkpoints/ckpt-\d+\.pt", out, re.M)
 
 
 def test_the_sites_signal_saves_and_requeues_and_another_saves_and_stops(roomy_node, tmp_path):
