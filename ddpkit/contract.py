@@ -120,6 +120,7 @@ class JobPaths:
     HUNG = "hung"                          # the ranks a hang report named as those the others wait for (hung_text)
     NODE_FAULT = "node-fault-rank-{}"      # node-fault-rank-<r>: that rank's node's GPU failed it, exit 5 (node_fault_text)
     NODE_FAILURES = "node-failures-job-{}"  # RUN_DIR/exit-codes/node-failures-job-<id>: the job's failures pinned on a node
+    TRACKER = "tracker.json"               # RUN_DIR/tracker.json: the experiment tracker's run id and what it has (trackers.py)
     SIDES = {  # name: (who writes it, who reads it), several sides separated by spaces
         "EXIT_CODE": ("ranks supervisor sweep", "sweep"),
         "JOB_DIRS": ("supervisor", "sweep"),
@@ -133,6 +134,7 @@ class JobPaths:
         "HUNG": ("ranks", "supervisor"),
         "NODE_FAULT": ("ranks", "supervisor"),
         "NODE_FAILURES": ("supervisor", "supervisor"),  # (from each start of the job, its requeues too, to the next)
+        "TRACKER": ("ranks", "ranks"),  # (rank 0, from each start of the run to the next)
     }
 
     @staticmethod

@@ -75,6 +75,7 @@ from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage
 from ddpkit.rundir import RunClaim, claim_run_dir
 from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
 from ddpkit.time_limit import TimeLimit, read_job_times
+from ddpkit.trackers import Start, Tracker
 from ddpkit.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
 
 
@@ -295,8 +296,17 @@ class Job:
         note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
         options = self.options
         self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),
-                                step, classes, options.log_every, options.progress_every, note=note)
+                                step, classes, options.log_every, options.progress_every, note=note,
+                                tracker=self.tracker(hparams) if options.tracker != "none" else None)
         record_continue_command(self.launch, self.continue_command())
+
+    def tracker(self, hparams: HParams) -> Tracker:
+        """(rank 0) The run's experiment tracker for this start, which records the start itself."""
+        launch = self.launch
+        start = Start(job=launch.job_id, requeues=launch.requeues, attempt=launch.attempt, world_size=self.rt.world_size, step=self.progress.step,
+                      at=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+        return Tracker(self.options.tracker, self.run_dir, start, hparams.values,
+                       {"run_dir": str(self.run_dir.resolve()), "launcher": launch.source})
 
     def describe_run(self, plan: RunPlan, ckpt_path: str) -> None:
         """Each rank's line (host, device, its share, threads), and rank 0's: the global batch,

@@ -10,9 +10,11 @@ abbreviation (--ep 3) is an error, as it would read as another option once one i
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from ddpkit.contract import RUN_NAME_RULE, is_run_name
 from ddpkit.launch import PROG, UsageError
 
 DATA_FEEDS = ("auto", "memory", "stream")
+# --tracker NAME (trackers.py): the package to install for it.
+TRACKER_PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
 
 
 def option(default, help: str, group: str, **metadata):
@@ -73,6 +77,10 @@ class RunOptions:
                             "time a step; RUN_DIR/profile-now is looked for as often)", "output")
     progress_every: float = option(60.0, "when the output is not a terminal (batch jobs), print a progress line every N "
                                    "seconds (0: never)", "output")
+    tracker: str = option("none", "also log the scalars and hyperparameters to an experiment tracker: mlflow (where "
+                          "MLFLOW_TRACKING_URI points) or wandb (as its own settings say, WANDB_MODE=offline included); "
+                          "one tracker run for the whole run, each step once, and a tracker that fails never stops "
+                          "training (docs/trackers.md)", "output", choices=("none", *TRACKER_PACKAGES))
     image_every: int = option(1, "log test images with their predictions and a confusion matrix every N epochs (0: never)",
                               "output")
     # checkpoints and preemption
@@ -110,6 +118,15 @@ def need(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
+def missing_tracker(tracker: str) -> str:
+    """The one line that stops a run asking for a tracker whose package is not installed, or ""
+    (looked for, not imported: MLflow takes seconds to import)."""
+    if tracker not in TRACKER_PACKAGES or importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is not None:
+        return ""
+    return (f"--tracker {tracker} needs the {TRACKER_PACKAGES[tracker]} package, which {sys.executable} lacks: "
+            f"pip install {TRACKER_PACKAGES[tracker]}")
+
+
 def check_run_options(c: RunOptions) -> None:
     need(math.isfinite(c.dist_timeout) and c.dist_timeout > 0, f"--dist-timeout must be a positive number of seconds, got {c.dist_timeout}")
     low, high = DIST_TIMEOUT_RANGE
@@ -138,6 +155,7 @@ def check_run_options(c: RunOptions) -> None:
          f"--interrupt-at must look like 120:USR1 or 120:TERM, got {c.interrupt_at!r}")
     need(not c.data_mirror or re.match(r"^(https?|file)://", c.data_mirror) is not None,
          f"--data-mirror must be an http://, https:// or file:// URL, got {c.data_mirror!r}")
+    need(not missing_tracker(c.tracker), missing_tracker(c.tracker))
     need(c.backend != "nccl" or c.device != "cpu", "--backend nccl needs --device cuda (or auto); use --backend gloo for CPUs")
     data_dir = Path(c.data_dir)
     need(not data_dir.exists() or data_dir.is_dir(), f"--data-dir {data_dir} is not a directory")

@@ -1,6 +1,7 @@
 """Run logging: rank 0's stdout lines, RUN_DIR/metrics.jsonl, run.json and TensorBoard
 events (scalars, pictures of test predictions and the confusion matrix, the HParams tab,
-the options and environment as text); a logger that does nothing on the other ranks."""
+the options and environment as text), and the scalars to an experiment tracker when one is
+asked for (trackers.py); a logger that does nothing on the other ranks."""
 
 import contextlib
 import dataclasses
@@ -24,6 +25,7 @@ from PIL import Image, ImageDraw
 from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime, all_reduce
 from ddpkit.launch import Launch
+from ddpkit.trackers import NoTracker, Tracker, epoch_scalars
 
 
 def peak_rss_mb(rt: Runtime) -> float:
@@ -237,7 +239,8 @@ class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
     def __init__(self, run_dir: Path, options: dict, hparams: HParams, environment: dict, resumed_step: int,
-                 classes: tuple[str, ...], log_every: int, progress_every: float, note: str = ""):
+                 classes: tuple[str, ...], log_every: int, progress_every: float, note: str = "",
+                 tracker: Tracker | NoTracker | None = None):
         # For sweep.py summary and anyone reading the directory: what this attempt runs with;
         # replaced whole, so that a reader never meets it empty or half written.
         replace_text(run_dir / "run.json", json.dumps({"config": options, "environment": environment}))
@@ -262,6 +265,8 @@ class RunLogger:
             setattr(start.hparams[name], kind, value)
         self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_START_INFO_TAG, session_start_info=start))
         self.metrics = open(metrics_path, "a")
+        self.tracker = tracker or NoTracker()
+        self.tracker.begin(records)  # (the epochs it lacks among them)
         self.show_progress = sys.stdout.isatty()
         # At the step it starts from: a resumed run's attempts each keep their own entry.
         self.writer.add_text("config", markdown_table(options), resumed_step)
@@ -279,6 +284,7 @@ class RunLogger:
         """Called every step; reads the loss (a device sync) only when something is due."""
         if step % self.log_every == 0:
             self.writer.add_scalar("train/batch_loss", loss.item(), step)
+            self.tracker.point("train/batch_loss", loss.item(), step)
             if self.show_progress:
                 print(f"\repoch {epoch} step {step_in_epoch}/{steps_per_epoch} loss {loss.item():.4f}", end="", flush=True)
         if not self.show_progress and self.progress_every and time.monotonic() - self.last_progress >= self.progress_every:
@@ -309,13 +315,9 @@ class RunLogger:
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         step = record["step"]
-        for tag, key in (("train/loss", "train_loss"), *((f"test/{name}", f"test_{name}") for name in evaluation.metrics),
-                         ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"), ("speed/epoch_s", "epoch_s"),
-                         ("memory/peak_rss_mb", "peak_rss_mb"), ("gpu/memory_gb", "gpu_memory_gb"),
-                         ("time/seconds_to_best", "seconds_to_best"),
-                         ("gpu/utilization_percent", "gpu_utilization")):
-            if key in record:
-                self.writer.add_scalar(tag, record[key], step)
+        for tag, value in epoch_scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
+        self.tracker.epoch(record)
         self.writer.add_text("log", f"`{line}`", step)
         if pictures:
             for name, (images, pred, true) in evaluation.examples.items():
@@ -330,6 +332,8 @@ class RunLogger:
         step in the window (stragglers.py)."""
         self.writer.add_scalar("speed/slowest_rank_ms", slowest_ms, step)
         self.writer.add_scalar("speed/median_rank_ms", median_ms, step)
+        self.tracker.point("speed/slowest_rank_ms", slowest_ms, step)
+        self.tracker.point("speed/median_rank_ms", median_ms, step)
 
     def note(self, line: str, step: int) -> None:
         """A line for stdout and the TEXT tab's log."""
@@ -340,6 +344,7 @@ class RunLogger:
     def finish(self, final: dict, step: int) -> None:
         for name, value in final.items():
             self.writer.add_scalar(f"final/{name}", value, step)
+        self.tracker.finish(final, step)
         tb = tensorboard_api()
         self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_END_INFO_TAG, session_end_info=(
             tb.plugin_data_pb2.SessionEndInfo(status=tb.api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
@@ -347,6 +352,7 @@ class RunLogger:
     def close(self) -> None:
         self.writer.close()
         self.metrics.close()
+        self.tracker.close()
 
 
 class NullLogger:

@@ -14,6 +14,8 @@
                        after the step, so that a run has a known length whatever the load
   AID_NO_STEP_TIMES=1  no rank times its own part of a step (the straggler figures), for
                        benchmarks/bench.py --step-times, which measures what they cost
+  AID_NO_MODULE=M,N    the modules M and N cannot be imported, as if their packages were not
+                       installed (read at start-up: for a fresh interpreter, not a forked run)
 
 ddpkit holds no trace of them. A process gets them by importing this module before
 ddpkit.training_run: sitecustomize.py beside it does so at start-up in every process whose
@@ -156,6 +158,8 @@ class AidOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+for hidden in filter(None, os.environ.get("AID_NO_MODULE", "").split(",")):
+    sys.modules[hidden] = None  # (import raises ModuleNotFoundError, and find_spec finds nothing)
 for imported in [name for name in AIDED if name in sys.modules]:
     AIDED[imported](sys.modules[imported])
 if any(name not in sys.modules for name in AIDED) and not any(isinstance(f, AidOnImport) for f in sys.meta_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.options import TRACKER_PACKAGES
 from helpers.processes import ROOT
 
 FIGURES_SCRIPT = ROOT / "benchmarks" / "figures.py"
@@ -236,20 +237,32 @@ def test_the_cluster_quick_start_asks_for_a_gpu_where_it_sets_a_gpu_partition():
     assert re.search(r"--gpus(-per-node|-per-task)?=\d|--gres=gpu", submit.split("run_training.sbatch")[0]), submit
 
 
+def requirements(name: str) -> set[str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return {re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower() for line in lines
+            if line and not line.startswith(("#", "-r"))}
+
+
 def test_requirements_name_every_package_the_code_imports():
+    """requirements.txt names every package the code imports; the trackers' packages, which
+    only ddpkit/trackers.py imports (when asked for), requirements-dev.txt names instead."""
     local = {"ddpkit", "mnist_ddp", "sweep"}
     distribution = {"PIL": "pillow"}  # an import name that is not its package's
-    imported = set()
+    imported, optional = set(), set(TRACKER_PACKAGES.values())
     for path in [ROOT / "mnist_ddp.py", ROOT / "sweep.py", *(ROOT / "ddpkit").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                imported |= {alias.name.split(".")[0] for alias in node.names}
+                names = {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                imported.add(node.module.split(".")[0])
+                names = {node.module.split(".")[0]}
+            else:
+                continue
+            assert path.name == "trackers.py" or not names & optional, (path, names)
+            imported |= names
     third_party = {distribution.get(name, name) for name in imported - local - set(sys.stdlib_module_names)}
-    lines = (ROOT / "requirements.txt").read_text().splitlines()
-    required = {re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower() for line in lines if line and not line.startswith("#")}
-    assert third_party <= required, f"imported but not in requirements.txt: {third_party - required}"
+    required = requirements("requirements.txt")
+    assert third_party - optional <= required, f"imported but not in requirements.txt: {third_party - optional - required}"
+    assert optional <= requirements("requirements-dev.txt") and not optional & required
 
 
 def test_the_launching_commands_find_torch_and_torchrun_after_make_run_and_the_readmes_first_line():

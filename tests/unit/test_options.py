@@ -50,7 +50,7 @@ def test_the_groups_of_the_command_line_in_order():
     assert groups["distributed"] == ["--backend", "--device", "--dist-timeout", "--hang-after", "--check"]
     assert groups["speed"] == ["--amp", "--channels-last", "--compile", "--deterministic", "--profile"]
     assert groups["output"] == ["--log-dir", "--run-name", "--run-dir", "--log-every", "--progress-every",
-                                "--image-every"]
+                                "--tracker", "--image-every"]
     assert groups["checkpoints and preemption"] == ["--resume", "--ckpt-every", "--ckpt-minutes", "--stop-before",
                                                     "--keep-ckpts", "--allow-changes", "--interrupt-at"]
     # Every recipe option is in the group its metadata names, under its kebab-case flag.

@@ -1,0 +1,387 @@
+"""Experiment trackers beside TensorBoard (--tracker mlflow, --tracker wandb): one tracker run
+for the whole run, across restarts, requeues, resubmissions and another world size, with
+each step in it once. (Its package is checked for with the options: options.missing_tracker.)
+
+Rank 0 hands what it logs to a sender, a process of its own (`python -m ddpkit.trackers`),
+which alone imports the tracker's package and talks to it: a tracker that is slow,
+unreachable or failing never holds up a step, and never stops training. One line names it,
+and what it missed is sent when it answers again, at a later epoch or a later start.
+
+RUN_DIR/tracker.json (JobPaths.TRACKER) keeps, for each tracker (and MLflow server), its run
+id, the last step it has, whether it has the hyperparameters, and each start of the run (job,
+requeues, attempt, world size, step). metrics.jsonl stays the record that counts: a start sends
+the epochs the tracker lacks from it, and drops every point of a step the tracker has already
+(a resumed run trains those steps again). The per-step points (the batch loss, the ranks' step
+times) wait in the sender: one that ends before the tracker answers loses those, never an epoch.
+
+Standard library only, apart from the tracker's own package in the sender."""
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ddpkit.contract import JobPaths
+
+# How long the end of a start waits for the sender to hand the tracker what is left (a stop on
+# a signal or at the time limit has a minute in all); what it has not sent by then, the next
+# start sends (the epochs, from metrics.jsonl).
+FLUSH_SECONDS = 15.0
+# MLflow's own retries last minutes by default: one quick try an epoch is enough here (each of
+# these applies only where the user has not set it; the run prints its own line with the link).
+MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+                   "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+# The most points the sender keeps while the tracker does not answer (the oldest go first).
+MAX_WAITING = 100_000
+# MLflow's log_batch takes 1000 metrics at most.
+BATCH = 1000
+ROOT = Path(__file__).resolve().parents[1]  # (the folder that holds ddpkit/, for the sender's import)
+
+# The scalars of an epoch's record, by the tag TensorBoard shows them under (each of the
+# evaluation's metrics is test_<name> in the record, test/<name> here).
+EPOCH_SCALARS = (("train/loss", "train_loss"), ("train/lr", "lr"), ("speed/images_per_s", "images_per_s"),
+                 ("speed/epoch_s", "epoch_s"), ("memory/peak_rss_mb", "peak_rss_mb"), ("gpu/memory_gb", "gpu_memory_gb"),
+                 ("time/seconds_to_best", "seconds_to_best"), ("gpu/utilization_percent", "gpu_utilization"))
+
+
+def epoch_scalars(record: dict) -> dict[str, float]:
+    """An epoch record's scalars by tag: what TensorBoard and the tracker get of it."""
+    tests = {f"test/{key[5:]}": key for key in record if key.startswith("test_") and key != "test_images"}
+    return {tag: float(record[key]) for tag, key in (*EPOCH_SCALARS[:1], *tests.items(), *EPOCH_SCALARS[1:])
+            if key in record}
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What the tracker records of each start of the run."""
+    job: str          # the Slurm job's id, "" outside Slurm
+    requeues: int     # how often Slurm requeued the job before this start
+    attempt: str      # this start's attempt in the job, out of how many it may make
+    world_size: int
+    step: int         # the step it starts from
+    at: str
+
+    def text(self) -> str:
+        job = f"job {self.job}{f' (requeued {self.requeues}x)' if self.requeues else ''}, " if self.job else ""
+        return f"{job}attempt {self.attempt}, world size {self.world_size}, from step {self.step}, at {self.at}"
+
+
+def entry_name(tracker: str) -> str:
+    """The tracker's entry in tracker.json: a run on another MLflow server is another run."""
+    return f"mlflow {os.environ.get('MLFLOW_TRACKING_URI', '')}".strip() if tracker == "mlflow" else tracker
+
+
+def read_entry(path: Path, entry: str) -> dict:
+    try:
+        every = json.loads(path.read_text())
+    except (OSError, ValueError):
+        every = {}
+    found = every.get(entry, {}) if isinstance(every, dict) else {}
+    return found if isinstance(found, dict) else {}
+
+
+def write_entry(path: Path, entry: str, state: dict) -> None:
+    """Replace the entry in tracker.json, whole (through a file beside it, renamed over it)."""
+    try:
+        every = json.loads(path.read_text())
+    except (OSError, ValueError):
+        every = {}
+    every = every if isinstance(every, dict) else {}
+    every[entry] = state
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        temporary.write_text(json.dumps(every, indent=1))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- rank 0's side
+
+class Tracker:
+    """Rank 0's tracker for one start of the run: what RunLogger logs goes to it too, and from
+    it to the sender, at each epoch and at the end of the start."""
+
+    def __init__(self, tracker: str, run_dir: Path, start: Start, hparams: dict, identity: dict[str, str]):
+        self.kind, self.run_dir, self.hparams, self.identity = tracker, run_dir, hparams, identity
+        self.path, self.entry = run_dir / JobPaths.TRACKER, entry_name(tracker)
+        state = read_entry(self.path, self.entry)
+        state.setdefault("starts", []).append(dataclasses.asdict(start))
+        write_entry(self.path, self.entry, state)  # (a disk that refuses it stops the start, as metrics.jsonl would)
+        self.has_up_to = state.get("step", 0)  # every point at or before it went to the tracker before this start
+        self.points: list[list] = []  # [tag, value, step, milliseconds since the epoch]
+        self.finished, self.sender = False, None
+
+    def begin(self, records: list[dict]) -> None:
+        """Start the sender, with the epochs of metrics.jsonl (`records`) that the tracker lacks."""
+        for record in records:
+            self.add_epoch(record, at_ms=int(time.time() * 1000))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir)],
+                                       stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.hand_over({"hparams": self.hparams, "identity": self.identity})
+        self.hand_over({})
+
+    def point(self, key: str, value: float, step: int, at_ms: int = 0) -> None:
+        if step > self.has_up_to:
+            self.points.append([key, float(value), step, at_ms or int(time.time() * 1000)])
+
+    def add_epoch(self, record: dict, at_ms: int = 0) -> None:
+        for key, value in epoch_scalars(record).items():
+            self.point(key, value, record["step"], at_ms)
+
+    def epoch(self, record: dict) -> None:
+        self.add_epoch(record)
+        self.hand_over({})
+
+    def finish(self, final: dict, step: int) -> None:
+        for name, value in final.items():
+            self.point(f"final/{name}", value, step)
+        self.finished = True
+
+    def hand_over(self, message: dict) -> None:
+        """Pass the points gathered so far, with `message`, to the sender (a line on its stdin,
+        which a thread of its own reads at once: this never waits on the tracker)."""
+        if self.sender is None or self.sender.stdin.closed:
+            return
+        try:
+            self.sender.stdin.write(json.dumps({**message, "points": self.points}) + "\n")
+            self.sender.stdin.flush()
+        except OSError:  # the sender has ended (it said why): the next start sends the epochs
+            with contextlib.suppress(OSError):
+                self.sender.stdin.close()
+        self.points = []
+
+    def close(self) -> None:
+        """The end of this start: wait a while for the sender to hand the tracker what is left."""
+        if self.sender is None:
+            return
+        self.hand_over({"finished": self.finished})
+        with contextlib.suppress(OSError):
+            self.sender.stdin.close()
+        try:
+            self.sender.wait(FLUSH_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.sender.kill()
+            print(f"warning: the tracker {TRACKERS[self.kind].name} has not taken all of this start's points within "
+                  f"{FLUSH_SECONDS:g} s; the epochs among them go to it at the run's next start (from metrics.jsonl)",
+                  file=sys.stderr, flush=True)
+
+
+class NoTracker:
+    """What RunLogger logs to when no --tracker is asked for."""
+
+    def begin(self, records: list[dict]) -> None: ...
+    def point(self, key: str, value: float, step: int) -> None: ...
+    def epoch(self, record: dict) -> None: ...
+    def finish(self, final: dict, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- the trackers
+
+class MLflow:
+    """A run in MLflow, where MLFLOW_TRACKING_URI points (a server, or a local folder;
+    ./mlruns when unset), in the experiment MLFLOW_EXPERIMENT_ID or MLFLOW_EXPERIMENT_NAME
+    names (created if missing), else MLflow's Default."""
+    name = "MLflow"
+
+    def __init__(self, run_dir: Path):
+        for variable, value in MLFLOW_DEFAULTS.items():
+            os.environ.setdefault(variable, value)
+        import mlflow
+        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.tracking import MlflowClient
+        self.Metric, self.Param, self.RunTag = Metric, Param, RunTag
+        self.where = mlflow.get_tracking_uri()
+        self.client = MlflowClient(self.where)
+        self.experiment = ""
+
+    def experiment_id(self) -> str:
+        if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+            return os.environ["MLFLOW_EXPERIMENT_ID"]
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "")
+        if not name:
+            return "0"  # (MLflow's Default)
+        found = self.client.get_experiment_by_name(name)
+        if found:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except Exception:  # another run (an array task) created it first
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def open(self, run_id: str, run_name: str, tags: dict[str, str]) -> str:
+        if run_id:
+            self.experiment = self.client.get_run(run_id).info.experiment_id
+            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        self.experiment = self.experiment_id()
+        return self.client.create_run(self.experiment, run_name=run_name, tags=tags).info.run_id
+
+    def link(self, run_id: str) -> str:
+        if self.where.startswith(("http://", "https://")):
+            return f"{self.where.rstrip('/')}/#/experiments/{self.experiment}/runs/{run_id}"
+        return f"run {run_id} in {self.where}"
+
+    def send(self, run_id: str, points: list[list], params: dict, tags: dict[str, str]) -> None:
+        self.client.log_batch(run_id, metrics=[self.Metric(key, value, at_ms, step) for key, value, step, at_ms in points],
+                              params=[self.Param(k, str(v)) for k, v in params.items()],
+                              tags=[self.RunTag(k, v) for k, v in tags.items()])
+
+    def finish(self, run_id: str) -> None:
+        self.client.set_terminated(run_id, "FINISHED")
+
+    def close(self) -> None: ...
+
+
+class WandB:
+    """A run in Weights & Biases, as its own settings say (WANDB_PROJECT, WANDB_ENTITY,
+    WANDB_MODE=offline, ...), its local files in RUN_DIR/wandb."""
+    name = "W&B"
+    where = ""
+
+    def __init__(self, run_dir: Path):
+        import wandb
+        from wandb.sdk.lib import runid
+        self.wandb, self.runid, self.dir, self.run = wandb, runid, run_dir, None
+
+    def open(self, run_id: str, run_name: str, tags: dict[str, str]) -> str:
+        run_id = run_id or self.runid.generate_id()
+        (self.dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self.run = self.wandb.init(id=run_id, resume="allow", name=run_name, dir=str(self.dir),
+                                   config={f"run/{k}": v for k, v in tags.items()},
+                                   settings=self.wandb.Settings(console="off", silent=True, x_disable_stats=True))
+        return run_id
+
+    def link(self, run_id: str) -> str:
+        if self.run.offline:
+            return f"run {run_id}, offline in {self.dir / 'wandb'} (to upload: wandb sync {self.dir / 'wandb'}/offline-run-*)"
+        return self.run.url or f"run {run_id}"
+
+    def send(self, run_id: str, points: list[list], params: dict, tags: dict[str, str]) -> None:
+        if params or tags:
+            self.run.config.update({**params, **tags})
+        by_step: dict[int, dict] = {}
+        for key, value, step, _ in points:
+            by_step.setdefault(step, {})[key] = value
+        for step in sorted(by_step):  # (W&B drops a step lower than one it has)
+            self.run.log(by_step[step], step=step)
+
+    def finish(self, run_id: str) -> None: ...
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+TRACKERS = {"mlflow": MLflow, "wandb": WandB}
+
+
+# ----------------------------------------------------------------------------- the sender
+
+class Sender:
+    """The sender's part: what rank 0 hands over waits here until the tracker takes it."""
+
+    def __init__(self, kind: str, run_dir: Path):
+        self.kind, self.run_dir = kind, run_dir
+        self.path, self.entry = run_dir / JobPaths.TRACKER, entry_name(kind)
+        self.state = read_entry(self.path, self.entry)
+        self.waiting: list[list] = []
+        self.hparams: dict = {}
+        self.identity: dict[str, str] = {}
+        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.closing = self.finished = self.failing = self.named = False
+        self.backend = None
+        self.opened = ""
+
+    def take(self, lines) -> None:
+        """(its own thread) Read rank 0's lines as they come, until rank 0 closes them."""
+        for line in lines:
+            message = json.loads(line)
+            with self.lock:
+                self.waiting.extend(message.get("points", []))
+                del self.waiting[:max(0, len(self.waiting) - MAX_WAITING)]
+                self.hparams = message.get("hparams", self.hparams)
+                self.identity = message.get("identity", self.identity)
+                self.finished = message.get("finished", self.finished)
+            self.wake.set()
+        self.closing = True
+        self.wake.set()
+
+    def serve(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            closing = self.closing
+            self.send_waiting(closing)
+            if closing:
+                if self.backend is not None:
+                    self.backend.close()
+                return
+
+    def send_waiting(self, closing: bool) -> None:
+        state = self.state
+        try:
+            if self.backend is None:
+                self.backend = TRACKERS[self.kind](self.run_dir)
+            if not self.opened:
+                self.opened = self.backend.open(state.get("run_id", ""), self.run_dir.name, self.identity)
+                if state.get("run_id") != self.opened:
+                    state["run_id"] = self.opened
+                    write_entry(self.path, self.entry, state)
+                print(f"{self.backend.name}: {self.backend.link(self.opened)}", flush=True)
+            params = {} if state.get("params_sent") else self.hparams
+            sent = state.get("starts_sent", 0)
+            tags = {f"start.{sent + i + 1}": Start(**s).text() for i, s in enumerate(state["starts"][sent:])}
+            if tags:
+                tags["world_size"] = str(state["starts"][-1]["world_size"])
+            with self.lock:
+                waiting = list(self.waiting)
+            for first in range(0, max(len(waiting), 1), BATCH):
+                chunk = waiting[first:first + BATCH]
+                self.backend.send(self.opened, chunk, params, tags)
+                params, tags = {}, {}
+                state["params_sent"], state["starts_sent"] = True, len(state["starts"])
+                with self.lock:
+                    del self.waiting[:len(chunk)]
+                state["step"] = max(state.get("step", 0), *(step for _, _, step, _ in chunk), 0)
+                write_entry(self.path, self.entry, state)
+            if self.finished and closing:
+                self.backend.finish(self.opened)
+            if self.failing:
+                print(f"{self.label()} answers again: it has every point up to step {state.get('step', 0)}", flush=True)
+            self.failing = False
+        except Exception as err:
+            self.failing = True
+            if not self.named:
+                self.named = True
+                reason = (str(err).strip().splitlines() or [""])[0][:200]
+                print(f"warning: {self.label()} failed ({type(err).__name__}: {reason}); training goes on, and it gets "
+                      "what it missed when it answers again", file=sys.stderr, flush=True)
+
+    def label(self) -> str:
+        where = getattr(self.backend, "where", "")
+        return f"the tracker {TRACKERS[self.kind].name}" + (f" at {where}" if where else "")
+
+
+def main(kind: str, run_dir: str) -> None:
+    """The sender: reads rank 0's lines on stdin, sends them, and ends once stdin closes and
+    what it holds is sent (or it failed). The job's signals are rank 0's to act on: a stop
+    signal reaches every process of a Slurm step, and this one must outlive rank 0's save."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    sender = Sender(kind, Path(run_dir))
+    threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()
+    sender.serve()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

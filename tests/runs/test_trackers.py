@@ -1,0 +1,134 @@
+"""--tracker against the real thing: an MLflow tracking server the test starts on loopback
+with its own SQLite store, and W&B in offline mode read back with W&B's own reader. A run
+stopped and continued, then continued on another world size from an older checkpoint, is one
+tracker run with every step once and the values of metrics.jsonl; a server stopped in
+mid-run stops nothing, is named once, and has every step once it is back; a tracker whose
+package is missing stops the run before it starts. (A Slurm job requeued: tests/cluster/
+one_node/test_tracker_on_slurm.py.)
+
+    python -m pytest tests/runs/test_trackers.py
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers.images import read_metrics
+from helpers.processes import ROOT, SCRIPT, assert_ok, clean_env, run_single, run_torchrun
+from helpers.trackers import MLflowServer, wandb_history
+
+pytestmark = pytest.mark.slow
+
+EPOCH_FIELDS = {"train/loss": "train_loss", "test/loss": "test_loss", "test/accuracy": "test_accuracy", "train/lr": "lr"}
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MLflowServer(tmp_path / "mlflow")
+    yield server
+    server.stop()
+
+
+def assert_each_epoch_once(server: MLflowServer, run_id: str, run_dir) -> None:
+    """Every epoch record of metrics.jsonl is in the MLflow run once, with its values."""
+    records = read_metrics(run_dir)
+    for tag, field in EPOCH_FIELDS.items():
+        assert server.history(run_id, tag) == [(r["step"], pytest.approx(r[field])) for r in records], tag
+
+
+def test_one_mlflow_run_across_a_stop_a_continuation_and_another_world_size_from_an_older_checkpoint(mlflow_server,
+                                                                                                    workdir):
+    """2 ranks stopped by USR1 at step 21; 1 rank goes on to step 56 and stops (the tracker has
+    the batch loss of step 50); 2 ranks go on from the checkpoint of step 32, so steps 33 to 56
+    are trained again: the tracker gets none of them twice. One MLflow run, with the three
+    starts, their world sizes and the hyperparameters of the first."""
+    common = ["--epochs", "3", "--run-name", "tracked", "--tracker", "mlflow", "--image-every", "0"]
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
+    run_dir = workdir / "runs" / "tracked"
+    first = run_torchrun(2, [*common, "--interrupt-at", "20:USR1"], workdir, **env)
+    assert (run_dir / "exit-code").read_text() == "75\n", first.stderr[-3000:]  # (torchrun itself exits 1)
+    assert f"MLflow: {mlflow_server.uri}/#/experiments/0/runs/" in first.stdout
+    second = run_single([*common, "--interrupt-at", "55:USR1"], workdir, **env)
+    assert second.returncode == 75, second.stderr[-3000:]
+    older = run_dir / "checkpoints" / "ckpt-00000032.pt"
+    assert older.exists(), sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    third = run_torchrun(2, [*common, "--resume", str(older)], workdir, **env)
+    assert_ok(third)
+    assert "the tracker MLflow" not in first.stderr + second.stderr + third.stderr  # (never failed)
+
+    (run,) = mlflow_server.runs()
+    state = json.loads((run_dir / "tracker.json").read_text())
+    assert state[f"mlflow {mlflow_server.uri}"]["run_id"] == run.info.run_id and run.info.status == "FINISHED"
+    assert run.info.run_name == "tracked"
+    assert_each_epoch_once(mlflow_server, run.info.run_id, run_dir)
+    assert [step for step, _ in mlflow_server.history(run.info.run_id, "train/batch_loss")] == [50]
+    assert [step for step, _ in mlflow_server.history(run.info.run_id, "final/test_accuracy")] == [96]
+    tags, params = run.data.tags, run.data.params
+    starts = [tags[f"start.{n}"] for n in (1, 2, 3)]
+    assert [s.split(", world size ")[1].split(",")[0] for s in starts] == ["2", "1", "2"], starts
+    assert [s.split(", from step ")[1].split(",")[0] for s in starts] == ["0", "21", "32"], starts
+    assert "start.4" not in tags and tags["world_size"] == "2"
+    assert params["world_size"] == "2" and params["lr"] == "0.003" and params["global_batch"] == "128"
+
+
+def test_a_server_stopped_in_mid_run_stops_nothing_and_gets_every_step_once_back(mlflow_server, workdir):
+    """The server goes down after the first epoch reached it, and comes back two epochs later:
+    training goes on, one line names the tracker, and the run in MLflow has every epoch once."""
+    args = ["--epochs", "8", "--run-name", "flaky", "--tracker", "mlflow", "--image-every", "0"]
+    out, err = open(workdir / "out.txt", "w+"), open(workdir / "err.txt", "w+")
+    run = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=workdir, stdout=out, stderr=err,
+                           env=clean_env(MLFLOW_TRACKING_URI=mlflow_server.uri, AID_STEP_SECONDS="0.12"))
+    run_dir = workdir / "runs" / "flaky"
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 240
+        while not condition():
+            assert time.monotonic() < deadline and run.poll() is None, f"waited for {what}"
+            time.sleep(0.5)
+
+    wait_for(lambda: any(mlflow_server.runs()) and mlflow_server.history(mlflow_server.runs()[0].info.run_id,
+                                                                         "train/loss"), "epoch 1 in MLflow")
+    mlflow_server.stop()
+    wait_for(lambda: len(read_metrics(run_dir)) >= 3 if (run_dir / "metrics.jsonl").exists() else False, "epoch 3")
+    mlflow_server.start()
+    assert run.wait(300) == 0, (workdir / "err.txt").read_text()[-3000:]
+    stdout, stderr = (workdir / "out.txt").read_text(), (workdir / "err.txt").read_text()
+    assert stderr.count(f"warning: the tracker MLflow at {mlflow_server.uri} failed") == 1, stderr[-3000:]
+    assert f"the tracker MLflow at {mlflow_server.uri} answers again" in stdout
+    (tracked,) = mlflow_server.runs()
+    assert [r["epoch"] for r in read_metrics(run_dir)] == list(range(1, 9))
+    assert_each_epoch_once(mlflow_server, tracked.info.run_id, run_dir)
+
+
+def test_wandb_offline_keeps_one_run_id_and_each_step_once_across_a_stop(workdir):
+    """WANDB_MODE=offline: a run stopped at step 40 (the batch loss of steps 10 to 40 sent) and
+    continued. Its offline folders, read with W&B's reader, all carry the run id kept in
+    tracker.json, and no step is in them twice."""
+    common = ["--epochs", "2", "--run-name", "wb", "--tracker", "wandb", "--image-every", "0", "--log-every", "10"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    assert run_single([*common, "--interrupt-at", "40:USR1"], workdir, **env).returncode == 75
+    assert_ok(run_single(common, workdir, **env))
+    run_dir = workdir / "runs" / "wb"
+    run_id = json.loads((run_dir / "tracker.json").read_text())["wandb"]["run_id"]
+    history = wandb_history(run_dir)
+    assert list(history) == [run_id]
+    steps = [row["_step"] for row in history[run_id]]
+    assert steps == sorted(set(steps)), steps
+    losses = [row["_step"] for row in history[run_id] if "train/batch_loss" in row]
+    assert losses == [10, 20, 30, 40, 50, 60], losses
+    epochs = {row["_step"]: row["test/accuracy"] for row in history[run_id] if "test/accuracy" in row}
+    assert epochs == {r["step"]: pytest.approx(r["test_accuracy"]) for r in read_metrics(run_dir)}
+
+
+def test_a_tracker_whose_package_is_missing_stops_the_run_before_it_starts(workdir):
+    """The package hidden from the interpreter (the tests' aid AID_NO_MODULE): exit 2, one line
+    with the pip install, and no run directory."""
+    result = subprocess.run([sys.executable, str(SCRIPT), "--tracker", "wandb", "--run-name", "none"], cwd=workdir,
+                            env=clean_env(AID_NO_MODULE="wandb"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (f"mnist_ddp.py: error: --tracker wandb needs the wandb package, "
+                                                      f"which {sys.executable} lacks: pip install wandb")
+    assert not (workdir / "runs").exists() and ROOT.exists()
