@@ -7,6 +7,7 @@
         python benchmarks/figures.py write --bench-out bench-out   # take a new benchmark's files first
     python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (under a minute)
     python benchmarks/figures.py sweep              # the README's sweep, its summary and the screenshots
+    python benchmarks/figures.py mlflow             # a run stopped and continued, in a real MLflow's UI
     python benchmarks/figures.py tests P-not-slurm.xml P-slurm-1.xml P-slurm-2.xml --fast P-fast.xml
                                   # the suite's size and time: make test JUNIT=P, make test-fast JUNIT=P
 
@@ -22,6 +23,8 @@ manual_figures(). The output files (docs/figures/):
                            `sweep`: the README's sweep with `sweep.py run`, its summary, and
                            the real tensorboard.sh on it, photographed by headless Chromium
   tests.json               `tests`: a run of the suite and one of its fast tier, their JUnit files
+  docs/mlflow-*.png        `mlflow`: a run with --tracker mlflow stopped on 2 ranks and continued on
+                           1, in a real MLflow server's UI, photographed by headless Chromium
 """
 
 import argparse
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.parse
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -423,7 +427,7 @@ def screenshot(url: str, path: Path, size: str) -> None:
         raise SystemExit("figures.py: no chromium on the PATH; install it (Debian: apt-get install chromium)")
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--user-data-dir={profile}", f"--window-size={size}", "--virtual-time-budget=15000",
+                        f"--user-data-dir={profile}", f"--window-size={size}", "--virtual-time-budget=30000",
                         f"--screenshot={path}", url], check=True, capture_output=True, timeout=120)
     print(f"wrote {path.relative_to(ROOT)}")
 
@@ -479,10 +483,44 @@ def photograph_sweep() -> int:
     return 0
 
 
+def photograph_mlflow() -> int:
+    """A run with --tracker mlflow, stopped on 2 ranks at step 60 and continued on 1 rank to its
+    end, as a real MLflow server (its own SQLite store, on loopback) shows it: the run's page and
+    its metrics, photographed by headless Chromium (needs `pip install mlflow`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                                   "--workers", "1", "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}",
+                                   "--default-artifact-root", str(work / "artifacts")], cwd=work,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_for_http(port, 120)
+            env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
+            args = [str(ROOT / "mnist_ddp.py"), "--epochs", "4", "--run-name", "stopped-and-continued", "--tracker", "mlflow"]
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args,
+                            "--interrupt-at", "60:USR1"], cwd=work, env=env, capture_output=True)
+            subprocess.run([sys.executable, *args], cwd=work, env=env, check=True, capture_output=True)
+            (state,) = json.loads((work / "runs" / "stopped-and-continued" / "tracker.json").read_text()).values()
+            page = f"http://127.0.0.1:{port}/#/experiments/0/runs/{state['run_id']}"
+            screenshot(page, ROOT / "docs" / "mlflow-run.png", "1500,1900")
+            keys = ["test/accuracy", "train/loss", "test/loss"]
+            query = {"runs": json.dumps([state["run_id"]]), "metric": json.dumps(keys[0]), "experiments": json.dumps(["0"]),
+                     "plot_metric_keys": json.dumps(keys), "plot_layout": "{}", "x_axis": "step", "y_axis_scale": "linear",
+                     "line_smoothness": "1", "show_point": "true", "deselected_curves": "[]", "last_linear_y_axis_range": "[]"}
+            chart = (f"http://127.0.0.1:{port}/#/metric/{urllib.parse.quote(keys[0], safe='')}?"
+                     + urllib.parse.urlencode(query, quote_via=urllib.parse.quote))
+            screenshot(chart, ROOT / "docs" / "mlflow-metrics.png", "1500,900")
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(30)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
-    parser.add_argument("command", nargs="?", default="check", choices=("check", "write", "sample", "sweep", "tests"))
+    parser.add_argument("command", nargs="?", default="check", choices=("check", "write", "sample", "sweep", "mlflow", "tests"))
     parser.add_argument("junit", nargs="*", type=Path, help="tests: the --junitxml files of one `make test` (make test JUNIT=PREFIX)")
     parser.add_argument("--fast", type=Path, help="tests: the --junitxml file of one `make test-fast`")
     parser.add_argument("--bench-out", type=Path, help="write: take bench.json and ranks.json from this directory first")
@@ -495,6 +533,8 @@ def main() -> int:
         return measure_sample([0, 1, 2])
     if args.command == "sweep":
         return photograph_sweep()
+    if args.command == "mlflow":
+        return photograph_mlflow()
     if not args.junit or not args.fast:
         parser.error("tests needs the JUnit XML files of make test and make test-fast: make test JUNIT=/tmp/suite && "
                      "make test-fast JUNIT=/tmp/suite, then: tests /tmp/suite-not-slurm.xml /tmp/suite-slurm-1.xml "

@@ -16,6 +16,7 @@ data, the model or the training step; mnist_ddp.py holds those.
                    recipe's step timed on every rank and the links between nodes; what is slow, named
   rundir.py        the run's directory, held for as long as the run lives
   runlog.py        stdout, metrics.jsonl, TensorBoard (scalars, pictures, HParams)
+  trackers.py      --tracker: MLflow or W&B as one run across every start, each step once, from a sender process
   training_run.py  the run's plan (batches, schedule) and TrainingRun: what happens around each step and epoch
   jobs.py          the job runner: start-up, the run's start, every ending as an exit code, teardown
   sweeplines.py    a sweep file's lines and run names, for sweep.py and run_training.sbatch (Python 3.6, standard library)

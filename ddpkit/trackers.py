@@ -37,7 +37,8 @@ FLUSH_SECONDS = 15.0
 # these applies only where the user has not set it; the run prints its own line with the link).
 MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
                    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
-# The most points the sender keeps while the tracker does not answer (the oldest go first).
+# The most per-step points the sender keeps while the tracker does not answer (the oldest go
+# first; an epoch's are all kept).
 MAX_WAITING = 100_000
 # MLflow's log_batch takes 1000 metrics at most.
 BATCH = 1000
@@ -115,7 +116,7 @@ class Tracker:
         state.setdefault("starts", []).append(dataclasses.asdict(start))
         write_entry(self.path, self.entry, state)  # (a disk that refuses it stops the start, as metrics.jsonl would)
         self.has_up_to = state.get("step", 0)  # every point at or before it went to the tracker before this start
-        self.points: list[list] = []  # [tag, value, step, milliseconds since the epoch]
+        self.points: list[list] = []  # [tag, value, step, milliseconds since 1970, whether an epoch's]
         self.finished, self.sender = False, None
 
     def begin(self, records: list[dict]) -> None:
@@ -128,13 +129,13 @@ class Tracker:
         self.hand_over({"hparams": self.hparams, "identity": self.identity})
         self.hand_over({})
 
-    def point(self, key: str, value: float, step: int, at_ms: int = 0) -> None:
+    def point(self, key: str, value: float, step: int, at_ms: int = 0, epoch: bool = False) -> None:
         if step > self.has_up_to:
-            self.points.append([key, float(value), step, at_ms or int(time.time() * 1000)])
+            self.points.append([key, float(value), step, at_ms or int(time.time() * 1000), epoch])
 
     def add_epoch(self, record: dict, at_ms: int = 0) -> None:
         for key, value in epoch_scalars(record).items():
-            self.point(key, value, record["step"], at_ms)
+            self.point(key, value, record["step"], at_ms, epoch=True)
 
     def epoch(self, record: dict) -> None:
         self.add_epoch(record)
@@ -142,7 +143,7 @@ class Tracker:
 
     def finish(self, final: dict, step: int) -> None:
         for name, value in final.items():
-            self.point(f"final/{name}", value, step)
+            self.point(f"final/{name}", value, step, epoch=True)
         self.finished = True
 
     def hand_over(self, message: dict) -> None:
@@ -231,7 +232,7 @@ class MLflow:
         return f"run {run_id} in {self.where}"
 
     def send(self, run_id: str, points: list[list], params: dict, tags: dict[str, str]) -> None:
-        self.client.log_batch(run_id, metrics=[self.Metric(key, value, at_ms, step) for key, value, step, at_ms in points],
+        self.client.log_batch(run_id, metrics=[self.Metric(key, value, at_ms, step) for key, value, step, at_ms, _ in points],
                               params=[self.Param(k, str(v)) for k, v in params.items()],
                               tags=[self.RunTag(k, v) for k, v in tags.items()])
 
@@ -269,7 +270,7 @@ class WandB:
         if params or tags:
             self.run.config.update({**params, **tags})
         by_step: dict[int, dict] = {}
-        for key, value, step, _ in points:
+        for key, value, step, _, _ in points:
             by_step.setdefault(step, {})[key] = value
         for step in sorted(by_step):  # (W&B drops a step lower than one it has)
             self.run.log(by_step[step], step=step)
@@ -308,7 +309,6 @@ class Sender:
             message = json.loads(line)
             with self.lock:
                 self.waiting.extend(message.get("points", []))
-                del self.waiting[:max(0, len(self.waiting) - MAX_WAITING)]
                 self.hparams = message.get("hparams", self.hparams)
                 self.identity = message.get("identity", self.identity)
                 self.finished = message.get("finished", self.finished)
@@ -343,16 +343,18 @@ class Sender:
             tags = {f"start.{sent + i + 1}": Start(**s).text() for i, s in enumerate(state["starts"][sent:])}
             if tags:
                 tags["world_size"] = str(state["starts"][-1]["world_size"])
-            with self.lock:
+            with self.lock:  # (take() only appends: the points copied stay first until sent)
+                self.waiting = keep_waiting(self.waiting)
                 waiting = list(self.waiting)
             for first in range(0, max(len(waiting), 1), BATCH):
-                chunk = waiting[first:first + BATCH]
+                chunk, rest = waiting[first:first + BATCH], waiting[first + BATCH:]
                 self.backend.send(self.opened, chunk, params, tags)
                 params, tags = {}, {}
                 state["params_sent"], state["starts_sent"] = True, len(state["starts"])
                 with self.lock:
                     del self.waiting[:len(chunk)]
-                state["step"] = max(state.get("step", 0), *(step for _, _, step, _ in chunk), 0)
+                if chunk:  # the tracker has every point up to here (the rest of a step may be in the next chunk)
+                    state["step"] = max(state.get("step", 0), min(chunk[-1][2], rest[0][2] - 1 if rest else chunk[-1][2]))
                 write_entry(self.path, self.entry, state)
             if self.finished and closing:
                 self.backend.finish(self.opened)
@@ -370,6 +372,21 @@ class Sender:
     def label(self) -> str:
         where = getattr(self.backend, "where", "")
         return f"the tracker {TRACKERS[self.kind].name}" + (f" at {where}" if where else "")
+
+
+def keep_waiting(points: list[list]) -> list[list]:
+    """The points to keep waiting: every epoch's, and the newest MAX_WAITING per-step ones."""
+    per_step = sum(1 for point in points if not point[4])
+    if per_step <= MAX_WAITING:
+        return points
+    drop = per_step - MAX_WAITING
+    kept = []
+    for point in points:
+        if drop and not point[4]:
+            drop -= 1
+        else:
+            kept.append(point)
+    return kept
 
 
 def main(kind: str, run_dir: str) -> None:

@@ -1,0 +1,291 @@
+"""ddpkit/trackers.py with no tracker and no sender process: an epoch's scalars, a start's
+text, tracker.json's entries (one per tracker and MLflow server, empty when missing or
+broken, replaced whole), rank 0's Tracker (each start recorded, the steps the tracker has
+dropped, the final scalars), and the Sender against a recording stand-in for MLflow's server
+put where trackers.TRACKERS names it: the run opened once, hyperparameters and starts sent
+once, points in chunks of BATCH, a failing tracker named once and caught up when it answers
+again, the run finished at the close, rank 0's lines read, the waiting points capped.
+(Against the real MLflow and W&B: tests/runs/test_trackers.py.)
+
+    python -m pytest tests/unit/test_trackers.py
+"""
+
+import json
+
+import pytest
+
+from ddpkit import trackers
+from ddpkit.contract import JobPaths
+from ddpkit.trackers import Sender, Start, Tracker, entry_name, epoch_scalars, read_entry, write_entry
+
+AT = "2024-05-01 12:00:00 +0000"
+HPARAMS = {"lr": 0.01, "batch_size": 64, "model": "cnn"}
+RECORD = {"epoch": 1, "step": 40, "train_loss": 0.5, "test_loss": 0.4, "test_accuracy": 0.9, "test_f1": 0.88,
+          "test_images": 10000, "lr": 0.01, "images_per_s": 5000.0, "epoch_s": 12.5, "peak_rss_mb": 900,
+          "seconds_to_best": 12.5}
+
+
+class FakeMLflow:
+    """A recording stand-in for MLflow's server, with the API the sender calls on a tracker."""
+    name, where = "FakeFlow", "http://tracker.test:5000"
+    down = False  # (set by a test: every send then fails, as an unreachable server's does)
+
+    def __init__(self, run_dir): self.calls = []
+    def link(self, run_id): return f"run {run_id}"
+    def finish(self, run_id): self.calls.append(("finish", run_id))
+    def close(self): self.calls.append(("close",))
+
+    def open(self, run_id, run_name, tags):
+        self.calls.append(("open", run_id, run_name, tags))
+        return run_id or "run-1"
+
+    def send(self, run_id, points, params, tags):
+        if self.down:
+            raise ConnectionError("connection refused\n(and a traceback's worth of detail)")
+        self.calls.append(("send", run_id, list(points), dict(params), dict(tags)))
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    monkeypatch.setitem(trackers.TRACKERS, "mlflow", FakeMLflow)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "run-a").mkdir()
+    return tmp_path / "run-a"
+
+
+def start_of(run_dir, step=0, world_size=1) -> Tracker:
+    """Rank 0's Tracker for a start of the run (its sender never started)."""
+    start = Start(job="", requeues=0, attempt="1/1", world_size=world_size, step=step, at=AT)
+    return Tracker("mlflow", run_dir, start, HPARAMS, {"run_dir": str(run_dir)})
+
+
+def points(*steps, key="train/batch_loss", epoch=False) -> list[list]:
+    """Points as rank 0 hands them over: [tag, value, step, milliseconds, whether an epoch's]."""
+    return [[key, float(step), step, 1_000 + step, epoch] for step in steps]
+
+
+def line(**message) -> str:
+    """A line as rank 0 hands it to the sender."""
+    return json.dumps({"points": [], **message})
+
+
+def sends(sender) -> list[tuple]:
+    return [call for call in sender.backend.calls if call[0] == "send"]
+
+
+# ----------------------------------------------------------------------------- scalars and starts
+
+def test_an_epoch_record_gives_its_scalars_in_tensorboards_order():
+    scalars = epoch_scalars(RECORD)
+    assert list(scalars) == ["train/loss", "test/loss", "test/accuracy", "test/f1", "train/lr", "speed/images_per_s",
+                             "speed/epoch_s", "memory/peak_rss_mb", "time/seconds_to_best"]
+    assert scalars["test/f1"] == 0.88 and scalars["memory/peak_rss_mb"] == 900.0
+    assert all(isinstance(value, float) for value in scalars.values())
+
+
+def test_the_test_image_count_is_no_scalar_and_gpu_figures_appear_only_when_recorded():
+    assert "test/images" not in epoch_scalars(RECORD)
+    assert not any(tag.startswith("gpu/") for tag in epoch_scalars(RECORD))
+    on_gpu = epoch_scalars({**RECORD, "gpu_memory_gb": 2.5, "gpu_utilization": 80})
+    assert [tag for tag in on_gpu if tag.startswith("gpu/")] == ["gpu/memory_gb", "gpu/utilization_percent"]
+
+
+@pytest.mark.parametrize("job, requeues, text", [
+    ("", 0, f"attempt 1/1, world size 2, from step 21, at {AT}"),
+    ("42", 0, f"job 42, attempt 1/4, world size 2, from step 21, at {AT}"),
+    ("42", 1, f"job 42 (requeued 1x), attempt 1/4, world size 2, from step 21, at {AT}"),
+])
+def test_the_text_of_a_start_outside_slurm_in_a_job_and_in_a_requeued_job(job, requeues, text):
+    attempt = "1/4" if job else "1/1"
+    assert Start(job=job, requeues=requeues, attempt=attempt, world_size=2, step=21, at=AT).text() == text
+
+
+def test_each_mlflow_server_has_its_own_entry(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.lab:5000")
+    assert entry_name("mlflow") == "mlflow http://mlflow.lab:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert entry_name("mlflow") == "mlflow"
+    assert entry_name("wandb") == "wandb"
+
+
+# ----------------------------------------------------------------------------- tracker.json
+
+@pytest.mark.parametrize("text", [None, "", "{not json", "[1, 2]", '{"mlflow": [1]}', '{"mlflow": "run-1"}'])
+def test_a_missing_or_broken_entry_reads_as_empty(tmp_path, text):
+    path = tmp_path / JobPaths.TRACKER
+    if text is not None:
+        path.write_text(text)
+    assert read_entry(path, "mlflow") == {}
+
+
+def test_writing_an_entry_keeps_the_other_trackers_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / JobPaths.TRACKER
+    write_entry(path, "wandb", {"run_id": "w1", "step": 5})
+    write_entry(path, "mlflow", {"run_id": "m1"})
+    write_entry(path, "mlflow", {"run_id": "m2", "step": 9})
+    assert json.loads(path.read_text()) == {"wandb": {"run_id": "w1", "step": 5}, "mlflow": {"run_id": "m2", "step": 9}}
+    assert read_entry(path, "mlflow") == {"run_id": "m2", "step": 9}
+    assert [p.name for p in tmp_path.iterdir()] == [JobPaths.TRACKER]
+
+
+# ----------------------------------------------------------------------------- rank 0's side
+
+def test_each_start_of_the_run_is_recorded_in_its_entry(run_dir):
+    start_of(run_dir, step=0, world_size=2)
+    start_of(run_dir, step=40, world_size=4)
+    starts = read_entry(run_dir / JobPaths.TRACKER, "mlflow")["starts"]
+    assert [(s["step"], s["world_size"], s["at"]) for s in starts] == [(0, 2, AT), (40, 4, AT)]
+
+
+def test_a_start_drops_the_points_of_steps_the_tracker_has(run_dir):
+    write_entry(run_dir / JobPaths.TRACKER, "mlflow", {"run_id": "run-1", "step": 20})
+    tracker = start_of(run_dir, step=10)
+    assert tracker.has_up_to == 20
+    for step in (10, 20, 21):
+        tracker.point("train/batch_loss", 0.5, step, at_ms=7)
+    tracker.add_epoch(RECORD)  # (step 40)
+    assert tracker.points[0] == ["train/batch_loss", 0.5, 21, 7, False]
+    assert all(p[4] for p in tracker.points[1:])  # (an epoch's: kept through an outage)
+    assert {p[2] for p in tracker.points} == {21, 40} and len(tracker.points) == 1 + len(epoch_scalars(RECORD))
+
+
+def test_the_end_of_a_run_adds_its_final_scalars_and_marks_it_finished(run_dir):
+    tracker = start_of(run_dir)
+    assert not tracker.finished
+    tracker.finish({"test_accuracy": 0.99, "train_s": 60.0}, 940)
+    assert [p[:3] for p in tracker.points] == [["final/test_accuracy", 0.99, 940], ["final/train_s", 60.0, 940]]
+    assert tracker.finished
+
+
+# ----------------------------------------------------------------------------- the sender
+
+def test_the_sender_opens_the_run_once_and_a_later_start_reopens_it(run_dir, capsys):
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    sender.take([line(identity={"run_dir": "/r"})])
+    sender.send_waiting(False)
+    sender.send_waiting(False)
+    assert [c for c in sender.backend.calls if c[0] == "open"] == [("open", "", "run-a", {"run_dir": "/r"})]
+    assert read_entry(run_dir / JobPaths.TRACKER, "mlflow")["run_id"] == "run-1"
+    assert capsys.readouterr().out == "FakeFlow: run run-1\n"
+    start_of(run_dir, step=40)
+    later = Sender("mlflow", run_dir)
+    later.send_waiting(False)
+    assert later.backend.calls[0][:2] == ("open", "run-1")
+
+
+def test_the_hyperparameters_and_each_start_are_sent_once(run_dir):
+    start_of(run_dir, world_size=2)
+    start_of(run_dir, step=40, world_size=4)
+    sender = Sender("mlflow", run_dir)
+    sender.take([line(hparams=HPARAMS, points=points(41))])
+    sender.send_waiting(False)
+    sender.take([line(points=points(42))])
+    sender.send_waiting(False)
+    first, second = sends(sender)
+    assert first[3] == HPARAMS
+    assert first[4] == {"start.1": f"attempt 1/1, world size 2, from step 0, at {AT}",
+                        "start.2": f"attempt 1/1, world size 4, from step 40, at {AT}", "world_size": "4"}
+    assert second[2:] == (points(42), {}, {})
+    start_of(run_dir, step=42, world_size=1)
+    later = Sender("mlflow", run_dir)
+    later.take([line(hparams=HPARAMS)])
+    later.send_waiting(False)
+    assert [call[3:] for call in sends(later)] == [({}, {"start.3": f"attempt 1/1, world size 1, from step 42, at {AT}",
+                                                          "world_size": "1"})]
+
+
+def test_points_go_in_chunks_of_at_most_a_batch_and_the_entry_keeps_the_last_step(run_dir):
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    sent = points(*range(1, 2 * trackers.BATCH + 501))
+    sender.take([line(points=sent)])
+    sender.send_waiting(False)
+    assert [len(call[2]) for call in sends(sender)] == [trackers.BATCH, trackers.BATCH, 500]
+    assert [p for call in sends(sender) for p in call[2]] == sent and sender.waiting == []
+    assert read_entry(run_dir / JobPaths.TRACKER, "mlflow")["step"] == 2 * trackers.BATCH + 500
+    assert start_of(run_dir, step=100).has_up_to == 2 * trackers.BATCH + 500
+
+
+def test_a_failing_tracker_is_named_once_and_gets_what_waited_when_it_answers_again(run_dir, capsys, monkeypatch):
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    sender.take([line(points=points(1, 2, 3))])
+    monkeypatch.setattr(FakeMLflow, "down", True)
+    sender.send_waiting(False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: the tracker FakeFlow at http://tracker.test:5000 failed "
+                                                   "(ConnectionError: connection refused); training goes on")
+    assert sender.waiting == points(1, 2, 3)
+    sender.take([line(points=points(4))])
+    sender.send_waiting(False)
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setattr(FakeMLflow, "down", False)
+    sender.send_waiting(False)
+    assert sends(sender)[0][2] == points(1, 2, 3, 4) and sender.waiting == []
+    assert capsys.readouterr().out == ("the tracker FakeFlow at http://tracker.test:5000 answers again: "
+                                       "it has every point up to step 4\n")
+    sender.send_waiting(False)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_finished_run_is_finished_in_the_tracker_at_the_close_alone(run_dir):
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    sender.take([line(points=points(1)), line(finished=True)])
+    sender.send_waiting(False)
+    assert ("finish", "run-1") not in sender.backend.calls
+    sender.serve()  # (returns: the lines have ended)
+    assert sender.backend.calls[-2:] == [("finish", "run-1"), ("close",)]
+    unfinished = Sender("mlflow", run_dir)
+    unfinished.take([line(points=points(2))])
+    unfinished.serve()
+    assert ("finish", "run-1") not in unfinished.backend.calls and unfinished.backend.calls[-1] == ("close",)
+
+
+def test_the_sender_reads_rank_0s_lines_and_closes_at_their_end(run_dir):
+    sender = Sender("mlflow", run_dir)
+    closing_seen = []
+
+    def lines():  # (as they come: closing is looked at after each)
+        for message in ({"hparams": HPARAMS, "identity": {"run_dir": "/r"}}, {"points": points(1, 2)},
+                        {"points": points(3), "finished": True}):
+            yield line(**message)
+            closing_seen.append(sender.closing)
+
+    sender.take(lines())
+    assert closing_seen == [False, False, False] and sender.closing and sender.wake.is_set()
+    assert sender.waiting == points(1, 2, 3) and sender.finished
+    assert sender.hparams == HPARAMS and sender.identity == {"run_dir": "/r"}
+
+
+def test_the_points_that_wait_are_capped_the_oldest_per_step_ones_going_first(run_dir, monkeypatch, capsys):
+    """While the tracker is down, the newest MAX_WAITING per-step points wait, and every epoch's."""
+    monkeypatch.setattr(trackers, "MAX_WAITING", 5)
+    monkeypatch.setattr(FakeMLflow, "down", True)
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    epoch = points(2, key="test/accuracy", epoch=True)
+    sender.take([line(points=points(1, 2) + epoch), line(points=points(4, 5, 6, 7))])
+    sender.send_waiting(False)
+    assert sender.waiting == points(2) + epoch + points(4, 5, 6, 7)
+    capsys.readouterr()
+
+
+def test_the_entry_never_passes_a_step_whose_points_are_not_all_sent(run_dir, monkeypatch):
+    """A step split between two chunks, the second of which fails: the entry keeps the step
+    before it, so that the next start sends its epoch again from metrics.jsonl."""
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    sender.take([line(points=points(*[40] * trackers.BATCH) + points(40, key="test/accuracy", epoch=True))])
+    calls = []
+
+    def send_once(self, run_id, chunk, params, tags):
+        calls.append(len(chunk))
+        if len(calls) > 1:
+            raise ConnectionError("connection refused")
+
+    monkeypatch.setattr(FakeMLflow, "send", send_once)
+    sender.send_waiting(False)
+    assert calls == [trackers.BATCH, 1] and read_entry(run_dir / JobPaths.TRACKER, "mlflow")["step"] == 39
+    assert sender.waiting == points(40, key="test/accuracy", epoch=True)
