@@ -365,7 +365,8 @@ class Sender:
             self.failing = True
             if not self.named:
                 self.named = True
-                reason = (str(err).strip().splitlines() or [""])[0][:200]
+                reason = (str(err).strip().splitlines() or [""])[0]
+                reason = reason if len(reason) <= 200 else reason[:200] + " ..."
                 print(f"warning: {self.label()} failed ({type(err).__name__}: {reason}); training goes on, and it gets "
                       "what it missed when it answers again", file=sys.stderr, flush=True)
 

@@ -57,9 +57,10 @@ class MLflowServer:
         from mlflow.tracking import MlflowClient
         return MlflowClient(self.uri)
 
-    def runs(self) -> list:
-        """Every run of MLflow's Default experiment."""
-        return self.client().search_runs(["0"])
+    def runs(self, experiment: str = "") -> list:
+        """Every run of the experiment named `experiment`, or of MLflow's Default."""
+        found = self.client().get_experiment_by_name(experiment) if experiment else None
+        return self.client().search_runs([found.experiment_id if found else "0"])
 
     def history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         """(step, value) of each point of the metric `key`, in step order."""
