@@ -5,7 +5,7 @@ dropped, the final scalars), and the Sender against a recording stand-in for MLf
 put where trackers.TRACKERS names it: the run opened once, hyperparameters and starts sent
 once, points in chunks of BATCH, a failing tracker named once and caught up when it answers
 again, the run finished at the close, rank 0's lines read, the waiting points capped.
-(Against the real MLflow and W&B: tests/runs/test_trackers.py.)
+(Against the real MLflow and W&B: tests/runs/test_trackers_runs.py.)
 
     python -m pytest tests/unit/test_trackers.py
 """

@@ -1,7 +1,7 @@
 """--tracker mlflow in a Slurm job that requeues itself (local-slurm.sh, the one_node cluster, an
 MLflow server the test starts on the host's loopback): the job stops on SIGUSR1 (the hidden
 --interrupt-at), is requeued and finishes, and MLflow holds one run with both starts of the
-job, its attempts and every step once, in the experiment MLFLOW_EXPERIMENT_NAME names. (Without Slurm: tests/runs/test_trackers.py.)
+job, its attempts and every step once, in the experiment MLFLOW_EXPERIMENT_NAME names. (Without Slurm: tests/runs/test_trackers_runs.py.)
 
     python -m pytest tests/cluster/one_node/test_tracker_on_slurm.py
 """

@@ -6,7 +6,7 @@ mid-run stops nothing, is named once, and has every step once it is back; a trac
 package is missing stops the run before it starts. (A Slurm job requeued: tests/cluster/
 one_node/test_tracker_on_slurm.py.)
 
-    python -m pytest tests/runs/test_trackers.py
+    python -m pytest tests/runs/test_trackers_runs.py
 """
 
 import json
