@@ -73,9 +73,9 @@ from ddpkit.launch import (
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
 from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
-from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, usable_cpus
+from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, read_metrics_tolerantly, usable_cpus
 from ddpkit.time_limit import TimeLimit, read_job_times
-from ddpkit.trackers import Start, Tracker
+from ddpkit.trackers import NoTracker, Start, Tracker
 from ddpkit.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
 
 
@@ -297,16 +297,29 @@ class Job:
         options = self.options
         self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),
                                 step, classes, options.log_every, options.progress_every, note=note,
-                                tracker=self.tracker(hparams) if options.tracker != "none" else None)
+                                tracker=self.tracker(hparams.values) if options.tracker != "none" else NoTracker())
         record_continue_command(self.launch, self.continue_command())
 
-    def tracker(self, hparams: HParams) -> Tracker:
-        """(rank 0) The run's experiment tracker for this start, which records the start itself."""
+    def tracker(self, hparams: dict, recorded: bool = True) -> Tracker:
+        """(rank 0) The run's experiment tracker for this start, which records the start itself
+        (`recorded`; not a finished run's start, which only sends what the tracker lacks)."""
         launch = self.launch
-        start = Start(job=launch.job_id, requeues=launch.requeues, attempt=launch.attempt, world_size=self.rt.world_size, step=self.progress.step,
-                      at=time.strftime("%Y-%m-%d %H:%M:%S %z"))
-        return Tracker(self.options.tracker, self.run_dir, start, hparams.values,
-                       {"run_dir": str(self.run_dir.resolve()), "launcher": launch.source})
+        start = Start(job=launch.job_id, requeues=launch.requeues, attempt=launch.attempt,
+                      world_size=self.rt.world_size, step=self.progress.step, at=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+        return Tracker(self.options.tracker, self.run_dir, start=start if recorded else None, hparams=hparams,
+                       identity={"run_dir": str(self.run_dir.resolve()), "launcher": launch.source})
+
+    def catch_up_tracker(self) -> None:
+        """(rank 0) A finished run started again with a --tracker: the tracker gets what it may
+        still lack (it did not answer at the run's end): the epochs, the final figures (the last
+        epoch's), and that the run finished."""
+        records = read_metrics_tolerantly(self.run_dir / "metrics.jsonl")
+        if self.options.tracker == "none" or not records:
+            return
+        tracker, last = self.tracker({}, recorded=False), records[-1]
+        tracker.begin(records)
+        tracker.finish({k: last[k] for k in ("test_accuracy", "test_loss", "train_loss") if k in last}, last["step"])
+        tracker.close(0)
 
     def describe_run(self, plan: RunPlan, ckpt_path: str) -> None:
         """Each rank's line (host, device, its share, threads), and rank 0's: the global batch,
@@ -356,6 +369,8 @@ class Job:
                     write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
                 print("run_training.sbatch requeues the job when this step has ended; where it cannot, the line below "
                       "continues the run", flush=True)
+        if rt.is_main and not requeue_signal and stop.received != signal.SIGINT and self.launch.job_id:
+            self.logger.close(EXIT_STOPPED)  # (a requeue that succeeds ends every process here: the tracker first)
         requeued = not requeue_signal and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)
         if rt.is_main and not requeued:
             print(f"to continue: {self.continue_command()}", flush=True)
@@ -439,6 +454,7 @@ def run_body(body: Callable[[Job], None], job: Job) -> int:
     except AlreadyComplete as done:
         if job.rt.is_main:
             print(done, flush=True)
+            job.catch_up_tracker()
     except Stopped as stopped:  # (inside: a peer lost while stopping is a lost peer)
         return job.stop_here(Path(str(stopped)))
     except Diverged as err:  # (inside: a full disk while recording the advice is a storage problem)
@@ -478,7 +494,7 @@ def end_job(code: int, launch: Launch | None, job: Job | None) -> None:
         if job.hang_watch:
             job.hang_watch.stop()
         with contextlib.suppress(OSError):  # a full disk: the one line above says so already
-            job.logger.close()
+            job.logger.close(code)
         if job.claim:
             job.claim.release(code)
     if code == 0:

@@ -118,13 +118,20 @@ def need(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
-def missing_tracker(tracker: str) -> str:
-    """The one line that stops a run asking for a tracker whose package is not installed, or ""
-    (looked for, not imported: MLflow takes seconds to import)."""
-    if tracker not in TRACKER_PACKAGES or importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is not None:
+def tracker_problem(tracker: str) -> str:
+    """The one line that stops a run asking for a tracker it cannot use, or "": its package is
+    not installed (looked for, not imported: MLflow takes seconds to import), or MLflow has no
+    MLFLOW_TRACKING_URI (its default, a database in the working directory, would make each
+    submission directory a tracker of its own)."""
+    if tracker not in TRACKER_PACKAGES:
         return ""
-    return (f"--tracker {tracker} needs the {TRACKER_PACKAGES[tracker]} package, which {sys.executable} lacks: "
-            f"pip install {TRACKER_PACKAGES[tracker]}")
+    if importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is None:
+        return (f"--tracker {tracker} needs the {TRACKER_PACKAGES[tracker]} package, which {sys.executable} lacks: "
+                f"pip install {TRACKER_PACKAGES[tracker]}")
+    if tracker == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return ("--tracker mlflow needs MLFLOW_TRACKING_URI: a server (http://host:5000) or a folder every node "
+                "reaches (file:///project/mlruns); export it before the run or the job starts")
+    return ""
 
 
 def check_run_options(c: RunOptions) -> None:
@@ -155,7 +162,8 @@ def check_run_options(c: RunOptions) -> None:
          f"--interrupt-at must look like 120:USR1 or 120:TERM, got {c.interrupt_at!r}")
     need(not c.data_mirror or re.match(r"^(https?|file)://", c.data_mirror) is not None,
          f"--data-mirror must be an http://, https:// or file:// URL, got {c.data_mirror!r}")
-    need(not missing_tracker(c.tracker), missing_tracker(c.tracker))
+    problem = tracker_problem(c.tracker)
+    need(not problem, problem)
     need(c.backend != "nccl" or c.device != "cpu", "--backend nccl needs --device cuda (or auto); use --backend gloo for CPUs")
     data_dir = Path(c.data_dir)
     need(not data_dir.exists() or data_dir.is_dir(), f"--data-dir {data_dir} is not a directory")

@@ -239,8 +239,8 @@ class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
     def __init__(self, run_dir: Path, options: dict, hparams: HParams, environment: dict, resumed_step: int,
-                 classes: tuple[str, ...], log_every: int, progress_every: float, note: str = "",
-                 tracker: Tracker | NoTracker | None = None):
+                 classes: tuple[str, ...], log_every: int, progress_every: float, *, tracker: Tracker | NoTracker,
+                 note: str = ""):
         # For sweep.py summary and anyone reading the directory: what this attempt runs with;
         # replaced whole, so that a reader never meets it empty or half written.
         replace_text(run_dir / "run.json", json.dumps({"config": options, "environment": environment}))
@@ -265,7 +265,7 @@ class RunLogger:
             setattr(start.hparams[name], kind, value)
         self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_START_INFO_TAG, session_start_info=start))
         self.metrics = open(metrics_path, "a")
-        self.tracker = tracker or NoTracker()
+        self.tracker = tracker
         self.tracker.begin(records)  # (the epochs it lacks among them)
         self.show_progress = sys.stdout.isatty()
         # At the step it starts from: a resumed run's attempts each keep their own entry.
@@ -312,6 +312,7 @@ class RunLogger:
                 f"| test acc {100 * record['test_accuracy']:6.2f}% {added}| lr {record['lr']:.2e} "
                 f"| {record['images_per_s']:8.0f} img/s | {record['epoch_s']:6.2f} s")
         print(line, flush=True)
+        record["time"] = round(time.time(), 3)  # (when it was logged: the tracker's time of its points)
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         step = record["step"]
@@ -349,10 +350,12 @@ class RunLogger:
         self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_END_INFO_TAG, session_end_info=(
             tb.plugin_data_pb2.SessionEndInfo(status=tb.api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
 
-    def close(self) -> None:
+    def close(self, code: int = 0) -> None:
+        """The end of this start, which exits with `code`; with a --tracker, waits up to
+        trackers.FLUSH_SECONDS for its sender (a second call closes nothing more)."""
         self.writer.close()
         self.metrics.close()
-        self.tracker.close()
+        self.tracker.close(code)
 
 
 class NullLogger:
@@ -363,4 +366,4 @@ class NullLogger:
     def speed(self, step: int, slowest_ms: float, median_ms: float) -> None: ...
     def note(self, line: str, step: int) -> None: ...
     def finish(self, final: dict, step: int) -> None: ...
-    def close(self) -> None: ...
+    def close(self, code: int = 0) -> None: ...

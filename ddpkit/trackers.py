@@ -1,6 +1,6 @@
 """Experiment trackers beside TensorBoard (--tracker mlflow, --tracker wandb): one tracker run
 for the whole run, across restarts, requeues, resubmissions and another world size, with
-each step in it once. (Its package is checked for with the options: options.missing_tracker.)
+each step in it once. (Whether it can be used is checked with the options: options.tracker_problem.)
 
 Rank 0 hands what it logs to a sender, a process of its own (`python -m ddpkit.trackers`),
 which alone imports the tracker's package and talks to it: a tracker that is slow,
@@ -14,10 +14,13 @@ the epochs the tracker lacks from it, and drops every point of a step the tracke
 (a resumed run trains those steps again). The per-step points (the batch loss, the ranks' step
 times) wait in the sender: one that ends before the tracker answers loses those, never an epoch.
 
-Standard library only, apart from the tracker's own package in the sender."""
+The sender holds RUN_DIR/.tracker.lock for as long as it lives, so that a start whose
+sender is still finishing (a rank killed, the run started again at once) waits for it before
+it records itself. Standard library only, apart from the tracker's own package in the sender."""
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import signal
@@ -27,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddpkit.contract import JobPaths
+from ddpkit.contract import EXIT_STOPPED, JobPaths
 
 # How long the end of a start waits for the sender to hand the tracker what is left (a stop on
 # a signal or at the time limit has a minute in all); what it has not sent by then, the next
@@ -40,8 +43,10 @@ MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_
 # The most per-step points the sender keeps while the tracker does not answer (the oldest go
 # first; an epoch's are all kept).
 MAX_WAITING = 100_000
-# MLflow's log_batch takes 1000 metrics at most.
-BATCH = 1000
+# MLflow's log_batch takes 1000 metrics and 100 parameters at most.
+BATCH, PARAMS_BATCH = 1000, 100
+# How long a start waits for the sender of an earlier start to let go of tracker.json.
+LOCK_WAIT = 60.0
 ROOT = Path(__file__).resolve().parents[1]  # (the folder that holds ddpkit/, for the sender's import)
 
 # The scalars of an epoch's record, by the tag TensorBoard shows them under (each of the
@@ -87,6 +92,33 @@ def read_entry(path: Path, entry: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+@contextlib.contextmanager
+def entry_lock(path: Path, wait: float):
+    """Hold RUN_DIR/.tracker.lock (flock) for tracker.json beside it, waiting `wait` seconds at
+    most; a file system without locks, or a wait that runs out, goes on without it (said once)."""
+    lock = None
+    try:
+        lock = open(path.with_name(".tracker.lock"), "a")
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    print(f"warning: the tracker's sender of an earlier start still holds {path}; this start goes on "
+                          "without waiting for it", file=sys.stderr, flush=True)
+                    break
+                time.sleep(0.2)
+    except OSError:  # (no locks on this file system: a lone start needs none)
+        pass
+    try:
+        yield
+    finally:
+        if lock:
+            lock.close()
+
+
 def write_entry(path: Path, entry: str, state: dict) -> None:
     """Replace the entry in tracker.json, whole (through a file beside it, renamed over it)."""
     try:
@@ -109,33 +141,45 @@ class Tracker:
     """Rank 0's tracker for one start of the run: what RunLogger logs goes to it too, and from
     it to the sender, at each epoch and at the end of the start."""
 
-    def __init__(self, tracker: str, run_dir: Path, start: Start, hparams: dict, identity: dict[str, str]):
+    def __init__(self, tracker: str, run_dir: Path, *, start: Start | None, hparams: dict, identity: dict[str, str]):
+        """`start`: this start, to record on the tracker's run (None: a finished run started again,
+        which only sends what the tracker may still lack)."""
         self.kind, self.run_dir, self.hparams, self.identity = tracker, run_dir, hparams, identity
         self.path, self.entry = run_dir / JobPaths.TRACKER, entry_name(tracker)
-        state = read_entry(self.path, self.entry)
-        state.setdefault("starts", []).append(dataclasses.asdict(start))
-        write_entry(self.path, self.entry, state)  # (a disk that refuses it stops the start, as metrics.jsonl would)
+        with entry_lock(self.path, LOCK_WAIT):
+            state = read_entry(self.path, self.entry)
+            state.setdefault("starts", [])
+            if start:
+                state["starts"].append(dataclasses.asdict(start))
+            write_entry(self.path, self.entry, state)  # (a disk that refuses it stops the start, as metrics.jsonl would)
         self.has_up_to = state.get("step", 0)  # every point at or before it went to the tracker before this start
         self.points: list[list] = []  # [tag, value, step, milliseconds since 1970, whether an epoch's]
-        self.finished, self.sender = False, None
+        self.finished, self.sender, self.sender_named = False, None, False
 
     def begin(self, records: list[dict]) -> None:
         """Start the sender, with the epochs of metrics.jsonl (`records`) that the tracker lacks."""
         for record in records:
-            self.add_epoch(record, at_ms=int(time.time() * 1000))
+            self.add_epoch(record)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir)],
-                                       stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        try:
+            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir)],
+                                           stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        except OSError as err:
+            print(f"warning: cannot start the tracker's sender ({err.strerror}); training goes on, and the tracker gets "
+                  "this start's epochs at the run's next start (from metrics.jsonl)", file=sys.stderr, flush=True)
+            return
         self.hand_over({"hparams": self.hparams, "identity": self.identity})
-        self.hand_over({})
 
-    def point(self, key: str, value: float, step: int, at_ms: int = 0, epoch: bool = False) -> None:
+    def point(self, key: str, value: float, step: int, *, at_ms: int = 0, epoch: bool = False) -> None:
         if step > self.has_up_to:
             self.points.append([key, float(value), step, at_ms or int(time.time() * 1000), epoch])
 
-    def add_epoch(self, record: dict, at_ms: int = 0) -> None:
+    def add_epoch(self, record: dict) -> None:
+        """The record's scalars, stamped with its own time (so that a point sent twice is the same
+        point: MLflow keeps one of each step, time and value)."""
+        at_ms = int(record["time"] * 1000) if isinstance(record.get("time"), (int, float)) else 0
         for key, value in epoch_scalars(record).items():
-            self.point(key, value, record["step"], at_ms, epoch=True)
+            self.point(key, value, record["step"], at_ms=at_ms, epoch=True)
 
     def epoch(self, record: dict) -> None:
         self.add_epoch(record)
@@ -151,6 +195,10 @@ class Tracker:
         which a thread of its own reads at once: this never waits on the tracker)."""
         if self.sender is None or self.sender.stdin.closed:
             return
+        if self.sender.poll() is not None and not self.sender_named:
+            self.sender_named = True
+            print(f"warning: the tracker's sender ended (exit {self.sender.returncode}); training goes on, and the "
+                  "tracker gets this start's epochs at the run's next start (from metrics.jsonl)", file=sys.stderr, flush=True)
         try:
             self.sender.stdin.write(json.dumps({**message, "points": self.points}) + "\n")
             self.sender.stdin.flush()
@@ -159,11 +207,12 @@ class Tracker:
                 self.sender.stdin.close()
         self.points = []
 
-    def close(self) -> None:
-        """The end of this start: wait a while for the sender to hand the tracker what is left."""
-        if self.sender is None:
+    def close(self, code: int = 0) -> None:
+        """The end of this start, which exits with `code`: wait up to FLUSH_SECONDS for the sender
+        to hand the tracker what is left (once; a second call does nothing)."""
+        if self.sender is None or self.sender.stdin.closed:
             return
-        self.hand_over({"finished": self.finished})
+        self.hand_over({"finished": self.finished, "code": code})
         with contextlib.suppress(OSError):
             self.sender.stdin.close()
         try:
@@ -182,7 +231,7 @@ class NoTracker:
     def point(self, key: str, value: float, step: int) -> None: ...
     def epoch(self, record: dict) -> None: ...
     def finish(self, final: dict, step: int) -> None: ...
-    def close(self) -> None: ...
+    def close(self, code: int = 0) -> None: ...
 
 
 # ----------------------------------------------------------------------------- the trackers
@@ -232,12 +281,15 @@ class MLflow:
         return f"run {run_id} in {self.where}"
 
     def send(self, run_id: str, points: list[list], params: dict, tags: dict[str, str]) -> None:
+        params = [self.Param(k, str(v)) for k, v in params.items()]
+        for first in range(0, max(len(params), 1), PARAMS_BATCH):
+            self.client.log_batch(run_id, params=params[first:first + PARAMS_BATCH])
         self.client.log_batch(run_id, metrics=[self.Metric(key, value, at_ms, step) for key, value, step, at_ms, _ in points],
-                              params=[self.Param(k, str(v)) for k, v in params.items()],
                               tags=[self.RunTag(k, v) for k, v in tags.items()])
 
-    def finish(self, run_id: str) -> None:
-        self.client.set_terminated(run_id, "FINISHED")
+    def end(self, run_id: str, finished: bool, code: int) -> None:
+        """The start's end on the run: FINISHED, SCHEDULED (stopped, to be continued) or FAILED."""
+        self.client.set_terminated(run_id, "FINISHED" if finished else "SCHEDULED" if code == EXIT_STOPPED else "FAILED")
 
     def close(self) -> None: ...
 
@@ -251,7 +303,7 @@ class WandB:
     def __init__(self, run_dir: Path):
         import wandb
         from wandb.sdk.lib import runid
-        self.wandb, self.runid, self.dir, self.run = wandb, runid, run_dir, None
+        self.wandb, self.runid, self.dir, self.run, self.code = wandb, runid, run_dir, None, None
 
     def open(self, run_id: str, run_name: str, tags: dict[str, str]) -> str:
         run_id = run_id or self.runid.generate_id()
@@ -267,19 +319,22 @@ class WandB:
         return self.run.url or f"run {run_id}"
 
     def send(self, run_id: str, points: list[list], params: dict, tags: dict[str, str]) -> None:
-        if params or tags:
-            self.run.config.update({**params, **tags})
+        if params or tags:  # (the world size changes when the run goes on on another number of ranks)
+            self.run.config.update({**params, **tags}, allow_val_change=True)
         by_step: dict[int, dict] = {}
         for key, value, step, _, _ in points:
             by_step.setdefault(step, {})[key] = value
         for step in sorted(by_step):  # (W&B drops a step lower than one it has)
             self.run.log(by_step[step], step=step)
 
-    def finish(self, run_id: str) -> None: ...
+    def end(self, run_id: str, finished: bool, code: int) -> None:
+        if not finished and code == EXIT_STOPPED:
+            self.run.mark_preempting()  # (W&B shows it as preempted, to be resumed)
+        self.code = 0 if finished or code == EXIT_STOPPED else code
 
     def close(self) -> None:
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=self.code)
             self.run = None
 
 
@@ -300,21 +355,29 @@ class Sender:
         self.identity: dict[str, str] = {}
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.closing = self.finished = self.failing = self.named = False
+        self.code = 0
         self.backend = None
         self.opened = ""
 
     def take(self, lines) -> None:
-        """(its own thread) Read rank 0's lines as they come, until rank 0 closes them."""
-        for line in lines:
-            message = json.loads(line)
-            with self.lock:
-                self.waiting.extend(message.get("points", []))
-                self.hparams = message.get("hparams", self.hparams)
-                self.identity = message.get("identity", self.identity)
-                self.finished = message.get("finished", self.finished)
+        """(its own thread) Read rank 0's lines as they come, until rank 0 closes them or dies
+        (a line cut short by its death is left out)."""
+        try:
+            for line in lines:
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    continue
+                with self.lock:
+                    self.waiting.extend(message.get("points", []))
+                    self.hparams = message.get("hparams", self.hparams)
+                    self.identity = message.get("identity", self.identity)
+                    self.finished = message.get("finished", self.finished)
+                    self.code = message.get("code", self.code)
+                self.wake.set()
+        finally:
+            self.closing = True
             self.wake.set()
-        self.closing = True
-        self.wake.set()
 
     def serve(self) -> None:
         while True:
@@ -338,7 +401,7 @@ class Sender:
                     state["run_id"] = self.opened
                     write_entry(self.path, self.entry, state)
                 print(f"{self.backend.name}: {self.backend.link(self.opened)}", flush=True)
-            params = {} if state.get("params_sent") else self.hparams
+            params = {} if state.get("params_sent") else self.hparams  # ({} for a finished run's catch-up)
             sent = state.get("starts_sent", 0)
             tags = {f"start.{sent + i + 1}": Start(**s).text() for i, s in enumerate(state["starts"][sent:])}
             if tags:
@@ -349,15 +412,15 @@ class Sender:
             for first in range(0, max(len(waiting), 1), BATCH):
                 chunk, rest = waiting[first:first + BATCH], waiting[first + BATCH:]
                 self.backend.send(self.opened, chunk, params, tags)
-                params, tags = {}, {}
-                state["params_sent"], state["starts_sent"] = True, len(state["starts"])
+                state["params_sent"] = state.get("params_sent", False) or bool(params)
+                state["starts_sent"], params, tags = len(state["starts"]), {}, {}
                 with self.lock:
                     del self.waiting[:len(chunk)]
                 if chunk:  # the tracker has every point up to here (the rest of a step may be in the next chunk)
                     state["step"] = max(state.get("step", 0), min(chunk[-1][2], rest[0][2] - 1 if rest else chunk[-1][2]))
                 write_entry(self.path, self.entry, state)
-            if self.finished and closing:
-                self.backend.finish(self.opened)
+            if closing:
+                self.backend.end(self.opened, self.finished, self.code)
             if self.failing:
                 print(f"{self.label()} answers again: it has every point up to step {state.get('step', 0)}", flush=True)
             self.failing = False
@@ -396,9 +459,11 @@ def main(kind: str, run_dir: str) -> None:
     signal reaches every process of a Slurm step, and this one must outlive rank 0's save."""
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    sender = Sender(kind, Path(run_dir))
-    threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()
-    sender.serve()
+    path = Path(run_dir) / JobPaths.TRACKER
+    with entry_lock(path, wait=24 * 3600.0):  # (an earlier start's sender first: it ends once it has sent)
+        sender = Sender(kind, Path(run_dir))
+        threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()
+        sender.serve()
 
 
 if __name__ == "__main__":

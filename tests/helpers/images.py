@@ -51,7 +51,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-MEASURED = ("images_per_s", "epoch_s", "peak_rss_mb", "seconds_to_best")  # figures of the machine, not of the training
+MEASURED = ("images_per_s", "epoch_s", "peak_rss_mb", "seconds_to_best", "time")  # figures of the machine and the clock, not of the training
 
 
 def read_results(run_dir: Path) -> list[dict]:

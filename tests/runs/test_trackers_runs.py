@@ -132,3 +132,24 @@ def test_a_tracker_whose_package_is_missing_stops_the_run_before_it_starts(workd
     assert result.stderr.strip().splitlines()[-1] == (f"mnist_ddp.py: error: --tracker wandb needs the wandb package, "
                                                       f"which {sys.executable} lacks: pip install wandb")
     assert not (workdir / "runs").exists() and ROOT.exists()
+
+
+def test_a_run_whose_tracker_never_answered_gets_it_all_when_started_again(mlflow_server, workdir):
+    """The server down for a whole run: the run finishes (exit 0) and names the tracker once.
+    Started again once the server is back, the finished run trains nothing and the tracker
+    gets every epoch, the final figures and the run's end."""
+    args = ["--epochs", "2", "--run-name", "late", "--tracker", "mlflow", "--image-every", "0"]
+    mlflow_server.stop()
+    alone = run_single(args, workdir, MLFLOW_TRACKING_URI=mlflow_server.uri)
+    assert_ok(alone)
+    assert alone.stderr.count("warning: the tracker MLflow") == 1, alone.stderr[-3000:]
+    mlflow_server.start()
+    again = run_single(args, workdir, MLFLOW_TRACKING_URI=mlflow_server.uri)
+    assert_ok(again)
+    assert "is already complete" in again.stdout and "warning" not in again.stderr, again.stderr[-3000:]
+    (run,) = mlflow_server.runs()
+    run_dir = workdir / "runs" / "late"
+    assert_each_epoch_once(mlflow_server, run.info.run_id, run_dir)
+    assert run.info.status == "FINISHED" and run.data.tags["start.1"].startswith("attempt 1/1, world size 1, from step 0")
+    assert [step for step, _ in mlflow_server.history(run.info.run_id, "final/test_accuracy")] == [64]
+    assert "start.2" not in run.data.tags  # (a finished run's start trains nothing, and is not one of its starts)

@@ -9,12 +9,14 @@ option clashes with one of RunOptions.
 """
 
 import dataclasses
+import re
+import sys
 from dataclasses import dataclass
 
 import pytest
 
 from ddpkit.launch import UsageError
-from ddpkit.options import RunOptions, build_parser, option, option_args, parse_options
+from ddpkit.options import RunOptions, build_parser, check_run_options, option, option_args, parse_options
 from mnist_ddp import Recipe
 
 
@@ -198,3 +200,18 @@ def test_a_continue_command_sets_the_batch_once_and_parses_back(argv):
     recipe, options = parse_options(Recipe, argv)
     assert option_args(recipe) == argv
     assert parse_options(Recipe, option_args(recipe, options))[0] == recipe
+
+
+def test_a_tracker_that_cannot_be_used_is_one_line_before_the_run_starts(monkeypatch):
+    """--tracker mlflow without MLFLOW_TRACKING_URI (MLflow's default, a database in the working
+    directory, would be another tracker for each submission directory), and a tracker whose
+    package is missing (the run's aid for it: tests/runs/test_trackers_runs.py)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(UsageError, match=r"^--tracker mlflow needs MLFLOW_TRACKING_URI: a server \(http://host:5000\)"):
+        check_run_options(RunOptions(tracker="mlflow"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    check_run_options(RunOptions(tracker="mlflow"))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UsageError, match=rf"^--tracker wandb needs the wandb package, which {re.escape(sys.executable)} "
+                                         "lacks: pip install wandb$"):
+        check_run_options(RunOptions(tracker="wandb"))

@@ -32,7 +32,7 @@ class FakeMLflow:
 
     def __init__(self, run_dir): self.calls = []
     def link(self, run_id): return f"run {run_id}"
-    def finish(self, run_id): self.calls.append(("finish", run_id))
+    def end(self, run_id, finished, code): self.calls.append(("end", run_id, finished, code))
     def close(self): self.calls.append(("close",))
 
     def open(self, run_id, run_name, tags):
@@ -56,7 +56,7 @@ def run_dir(tmp_path, monkeypatch):
 def start_of(run_dir, step=0, world_size=1) -> Tracker:
     """Rank 0's Tracker for a start of the run (its sender never started)."""
     start = Start(job="", requeues=0, attempt="1/1", world_size=world_size, step=step, at=AT)
-    return Tracker("mlflow", run_dir, start, HPARAMS, {"run_dir": str(run_dir)})
+    return Tracker("mlflow", run_dir, start=start, hparams=HPARAMS, identity={"run_dir": str(run_dir)})
 
 
 def points(*steps, key="train/batch_loss", epoch=False) -> list[list]:
@@ -229,18 +229,30 @@ def test_a_failing_tracker_is_named_once_and_gets_what_waited_when_it_answers_ag
     assert capsys.readouterr() == ("", "")
 
 
-def test_a_finished_run_is_finished_in_the_tracker_at_the_close_alone(run_dir):
+def test_the_close_tells_the_tracker_how_the_start_ended(run_dir):
+    """Finished, or stopped to be continued (75), or failed: at the close alone."""
     start_of(run_dir)
     sender = Sender("mlflow", run_dir)
-    sender.take([line(points=points(1)), line(finished=True)])
+    sender.take([line(points=points(1)), line(finished=True, code=0)])
+    sender.closing = False
     sender.send_waiting(False)
-    assert ("finish", "run-1") not in sender.backend.calls
+    assert not [call for call in sender.backend.calls if call[0] == "end"]
+    sender.closing = True
     sender.serve()  # (returns: the lines have ended)
-    assert sender.backend.calls[-2:] == [("finish", "run-1"), ("close",)]
-    unfinished = Sender("mlflow", run_dir)
-    unfinished.take([line(points=points(2))])
-    unfinished.serve()
-    assert ("finish", "run-1") not in unfinished.backend.calls and unfinished.backend.calls[-1] == ("close",)
+    assert sender.backend.calls[-2:] == [("end", "run-1", True, 0), ("close",)]
+    stopped = Sender("mlflow", run_dir)
+    stopped.take([line(points=points(2), code=75)])
+    stopped.serve()
+    assert stopped.backend.calls[-2:] == [("end", "run-1", False, 75), ("close",)]
+
+
+def test_a_line_cut_short_by_rank_0s_death_is_left_out_and_the_sender_still_ends(run_dir):
+    start_of(run_dir)
+    sender = Sender("mlflow", run_dir)
+    sender.take([line(points=points(1)), '{"points": [["train/batch_loss", 1.0, 2'])
+    assert sender.closing and sender.waiting == points(1)
+    sender.serve()
+    assert sends(sender)[0][2] == points(1)
 
 
 def test_the_sender_reads_rank_0s_lines_and_closes_at_their_end(run_dir):

@@ -31,6 +31,7 @@ from ddpkit.options import RunOptions
 from ddpkit.recovery import CheckpointClock
 from ddpkit.runlog import HParams, NullLogger, RunLogger
 from ddpkit.time_limit import JobTimes, TimeLimit
+from ddpkit.trackers import NoTracker
 from ddpkit.training_run import EpochLoss, RunPlan, RunState, Surroundings, TrainingRun
 
 ONE = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
@@ -240,7 +241,8 @@ def job_output(path: Path):
 def run_logger(run_dir: Path) -> RunLogger:
     """Rank 0's logger, with the batch loss and a progress line at every step."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    return RunLogger(run_dir, {"lr": 0.01}, HParams({"lr": 0.01}), {}, 0, ("a", "b"), log_every=1, progress_every=1e-9)
+    return RunLogger(run_dir, {"lr": 0.01}, HParams({"lr": 0.01}), {}, 0, ("a", "b"), log_every=1, progress_every=1e-9,
+                     tracker=NoTracker())
 
 
 def tensorboard(run_dir: Path) -> EventAccumulator:
@@ -290,6 +292,8 @@ def test_an_epochs_record_reaches_the_epoch_line_metrics_jsonl_and_tensorboard(t
     logger.close()
     record = dict(run.progress.last_record)
     assert record.pop("peak_rss_mb") > 0
+    logged_at = record.pop("time")  # (when it was logged)
+    assert logged_at > 0
     assert record == {"epoch": 1, "step": 2, "train_loss": 1.0, "test_loss": 0.25, "test_accuracy": 0.875,
                       "test_images": 8, "lr": 0.01, "images_per_s": 16.0, "epoch_s": 1.0, "seconds_to_best": 1.0}
     lines = capsys.readouterr().out.splitlines()
@@ -298,7 +302,7 @@ def test_an_epochs_record_reaches_the_epoch_line_metrics_jsonl_and_tensorboard(t
                           "epoch   1 | train loss 1.0000 | test loss 0.2500 | test acc  87.50% | lr 1.00e-02 "
                           "|       16 img/s |   1.00 s"]
     assert [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [
-        run.progress.last_record]
+        {**run.progress.last_record, "time": logged_at}]
     events = tensorboard(run_dir)
     assert {tag: scalars(events, tag) for tag in ("train/batch_loss", "train/loss", "test/accuracy", "train/lr",
                                                   "speed/images_per_s", "speed/epoch_s")} == {
