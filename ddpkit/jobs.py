@@ -220,7 +220,7 @@ class Job:
             self.run.checkpoint()
             if rt.is_main:  # the file resumed from, when it was a later one in checkpoints/ (another global batch)
                 set_aside_checkpoints(self.run_dir, progress.step + 1)
-        self.stop.training = True  # from now on Ctrl-C saves first
+        self.stop.begin_training()  # from now on Ctrl-C saves first
         return self.run
 
     def claim_run_dir(self) -> None:

@@ -62,6 +62,12 @@ class StopSignals:
         # Ctrl-C then has nothing to tear down, and ends the process here.
         self.loading = loading
         self.time_limit, self.time_up = None, False
+        # A Ctrl-C's KeyboardInterrupt can land where Python only ignores exceptions (a weakref
+        # callback of the import system, a __del__), and the run would go on: it is kept here,
+        # and training does not begin (begin_training).
+        self.interrupted = False
+        self.unraisable = sys.unraisablehook
+        sys.unraisablehook = self.ignored
         signals = [signal.SIGUSR1, signal.SIGTERM]
         # One the parent set to be ignored stays ignored: SIGHUP under nohup, SIGINT in a
         # shell's background job.
@@ -74,9 +80,22 @@ class StopSignals:
             print(f"{PROG}: error: {INTERRUPTED}", file=sys.stderr, flush=True)
             os._exit(128 + signal.SIGINT)  # (the job runner's code for a Ctrl-C before training)
         if signum == signal.SIGINT and not self.training:
+            self.interrupted = True
             raise KeyboardInterrupt
         # The first one says why: a Ctrl-C stays a Ctrl-C, which asks for no requeue.
         self.received = self.received or signum
+
+    def ignored(self, unraisable) -> None:
+        """(sys.unraisablehook) A Ctrl-C's KeyboardInterrupt that Python could only ignore: no
+        traceback, as begin_training stops the run; anything else as Python reports it."""
+        if not (self.interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            self.unraisable(unraisable)
+
+    def begin_training(self) -> None:
+        """From now on Ctrl-C saves first; a Ctrl-C that came before and was swallowed stops here."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.training = True
 
     def asked(self) -> bool:
         """Whether this rank asks every rank to stop: a signal came, or the time limit is near."""
@@ -87,6 +106,7 @@ class StopSignals:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = self.unraisable
 
 
 IMPORTED_AT = time.monotonic()

@@ -7,6 +7,8 @@ of the Launch each gives; the stop signals' flag; the exit codes and exit files 
 
 import signal
 import socket
+import sys
+import weakref
 
 import pytest
 
@@ -300,6 +302,27 @@ def test_a_stop_signal_only_sets_a_flag_and_the_first_one_says_why():
         again.restore()
     finally:
         stop.restore()
+
+
+def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_stops_training_before_it_begins(capsys):
+    """A Ctrl-C whose KeyboardInterrupt lands in a weakref callback (the import system's module
+    locks), where Python can only ignore it: no traceback, and training does not begin."""
+    before = sys.unraisablehook
+    stop = StopSignals()
+    try:
+        class Held:
+            pass
+
+        held = Held()
+        watch = weakref.ref(held, lambda _: stop.handle(signal.SIGINT, None))
+        del held  # (the callback runs now, and Python ignores its KeyboardInterrupt)
+        assert watch() is None and capsys.readouterr().err == ""
+        with pytest.raises(KeyboardInterrupt):
+            stop.begin_training()
+        assert not stop.training
+    finally:
+        stop.restore()
+    assert sys.unraisablehook is before
 
 
 def test_the_time_limit_asks_for_a_stop_on_rank_0():
