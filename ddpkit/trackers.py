@@ -36,9 +36,10 @@ from ddpkit.contract import EXIT_STOPPED, JobPaths
 # a signal or at the time limit has a minute in all); what it has not sent by then, the next
 # start sends (the epochs, from metrics.jsonl).
 FLUSH_SECONDS = 15.0
-# MLflow's own retries last minutes by default: one quick try an epoch is enough here (each of
-# these applies only where the user has not set it; the run prints its own line with the link).
-MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+# MLflow's own retries last minutes by default: one try an epoch is enough here, as the sender
+# tries again at every epoch (each of these applies only where the user has not set it; the
+# run prints its own line with the link).
+MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
                    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 # The most per-step points the sender keeps while the tracker does not answer (the oldest go
 # first; an epoch's are all kept).

@@ -62,6 +62,11 @@ class MLflowServer:
         found = self.client().get_experiment_by_name(experiment) if experiment else None
         return self.client().search_runs([found.experiment_id if found else "0"])
 
+    def run_named(self, name: str):
+        """The one run of MLflow's Default experiment with this name (several: an error)."""
+        (run,) = self.client().search_runs(["0"], filter_string=f"attributes.run_name = '{name}'")
+        return run
+
     def history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         """(step, value) of each point of the metric `key`, in step order."""
         return sorted((m.step, m.value) for m in self.client().get_metric_history(run_id, key))

@@ -10,6 +10,8 @@ one_node/test_tracker_on_slurm.py.)
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,9 +27,11 @@ pytestmark = pytest.mark.slow
 EPOCH_FIELDS = {"train/loss": "train_loss", "test/loss": "test_loss", "test/accuracy": "test_accuracy", "train/lr": "lr"}
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    server = MLflowServer(tmp_path / "mlflow")
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One server for the file's tests in a worker (each run has a name of its own); a test that
+    stops it starts it again."""
+    server = MLflowServer(tmp_path_factory.mktemp("mlflow"))
     yield server
     server.stop()
 
@@ -59,7 +63,7 @@ def test_one_mlflow_run_across_a_stop_a_continuation_and_another_world_size_from
     assert_ok(third)
     assert "the tracker MLflow" not in first.stderr + second.stderr + third.stderr  # (never failed)
 
-    (run,) = mlflow_server.runs()
+    run = mlflow_server.run_named("tracked")
     state = json.loads((run_dir / "tracker.json").read_text())
     assert state[f"mlflow {mlflow_server.uri}"]["run_id"] == run.info.run_id and run.info.status == "FINISHED"
     assert run.info.run_name == "tracked"
@@ -75,31 +79,43 @@ def test_one_mlflow_run_across_a_stop_a_continuation_and_another_world_size_from
 
 
 def test_a_server_stopped_in_mid_run_stops_nothing_and_gets_every_step_once_back(mlflow_server, workdir):
-    """The server goes down after the first epoch reached it, and comes back two epochs later:
-    training goes on, one line names the tracker, and the run in MLflow has every epoch once."""
-    args = ["--epochs", "8", "--run-name", "flaky", "--tracker", "mlflow", "--image-every", "0"]
+    """The server goes down after the first epoch reached it, and comes back once the run has
+    named it (the run held with SIGSTOP while the server starts, so that epochs are left to
+    train when it is back): training goes on, one line names the tracker, the tracker answers
+    again, and the run in MLflow has every epoch once."""
+    epochs = 6  # (8 steps an epoch at the global batch of 512, each lasting at least 0.1 s)
+    args = ["--epochs", str(epochs), "--global-batch", "512", "--run-name", "flaky", "--tracker", "mlflow",
+            "--image-every", "0"]
     out, err = open(workdir / "out.txt", "w+"), open(workdir / "err.txt", "w+")
     run = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=workdir, stdout=out, stderr=err,
-                           env=clean_env(MLFLOW_TRACKING_URI=mlflow_server.uri, AID_STEP_SECONDS="0.12"))
+                           env=clean_env(MLFLOW_TRACKING_URI=mlflow_server.uri, AID_STEP_SECONDS="0.1"))
     run_dir = workdir / "runs" / "flaky"
 
     def wait_for(condition, what: str) -> None:
         deadline = time.monotonic() + 240
         while not condition():
             assert time.monotonic() < deadline and run.poll() is None, f"waited for {what}"
-            time.sleep(0.5)
+            time.sleep(0.1)
 
-    wait_for(lambda: any(mlflow_server.runs()) and mlflow_server.history(mlflow_server.runs()[0].info.run_id,
-                                                                         "train/loss"), "epoch 1 in MLflow")
+    def in_mlflow() -> bool:
+        found = mlflow_server.client().search_runs(["0"], filter_string="attributes.run_name = 'flaky'")
+        return bool(found and mlflow_server.history(found[0].info.run_id, "train/loss"))
+
+    wait_for(in_mlflow, "epoch 1 in MLflow")
     mlflow_server.stop()
-    wait_for(lambda: len(read_metrics(run_dir)) >= 3 if (run_dir / "metrics.jsonl").exists() else False, "epoch 3")
-    mlflow_server.start()
+    try:
+        wait_for(lambda: "warning: the tracker MLflow" in (workdir / "err.txt").read_text(), "the tracker named")
+        os.kill(run.pid, signal.SIGSTOP)
+        assert len(read_metrics(run_dir)) < epochs, "the run ended before the server was back"
+    finally:
+        mlflow_server.start()
+        os.kill(run.pid, signal.SIGCONT)
     assert run.wait(300) == 0, (workdir / "err.txt").read_text()[-3000:]
     stdout, stderr = (workdir / "out.txt").read_text(), (workdir / "err.txt").read_text()
     assert stderr.count(f"warning: the tracker MLflow at {mlflow_server.uri} failed") == 1, stderr[-3000:]
     assert f"the tracker MLflow at {mlflow_server.uri} answers again" in stdout
-    (tracked,) = mlflow_server.runs()
-    assert [r["epoch"] for r in read_metrics(run_dir)] == list(range(1, 9))
+    tracked = mlflow_server.run_named("flaky")
+    assert [r["epoch"] for r in read_metrics(run_dir)] == list(range(1, epochs + 1))
     assert_each_epoch_once(mlflow_server, tracked.info.run_id, run_dir)
 
 
@@ -140,14 +156,16 @@ def test_a_run_whose_tracker_never_answered_gets_it_all_when_started_again(mlflo
     gets every epoch, the final figures and the run's end."""
     args = ["--epochs", "2", "--run-name", "late", "--tracker", "mlflow", "--image-every", "0"]
     mlflow_server.stop()
-    alone = run_single(args, workdir, MLFLOW_TRACKING_URI=mlflow_server.uri)
+    try:
+        alone = run_single(args, workdir, MLFLOW_TRACKING_URI=mlflow_server.uri)
+    finally:
+        mlflow_server.start()
     assert_ok(alone)
     assert alone.stderr.count("warning: the tracker MLflow") == 1, alone.stderr[-3000:]
-    mlflow_server.start()
     again = run_single(args, workdir, MLFLOW_TRACKING_URI=mlflow_server.uri)
     assert_ok(again)
     assert "is already complete" in again.stdout and "warning" not in again.stderr, again.stderr[-3000:]
-    (run,) = mlflow_server.runs()
+    run = mlflow_server.run_named("late")
     run_dir = workdir / "runs" / "late"
     assert_each_epoch_once(mlflow_server, run.info.run_id, run_dir)
     assert run.info.status == "FINISHED" and run.data.tags["start.1"].startswith("attempt 1/1, world size 1, from step 0")
