@@ -73,7 +73,15 @@ from ddpkit.launch import (
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
 from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
 from ddpkit.rundir import RunClaim, claim_run_dir
-from ddpkit.runlog import HParams, NullLogger, RunLogger, describe_environment, read_metrics_tolerantly, usable_cpus
+from ddpkit.runlog import (
+    HParams,
+    NullLogger,
+    RunLogger,
+    describe_environment,
+    final_figures,
+    read_metrics_tolerantly,
+    usable_cpus,
+)
 from ddpkit.time_limit import TimeLimit, read_job_times
 from ddpkit.trackers import NoTracker, Start, Tracker
 from ddpkit.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
@@ -313,13 +321,14 @@ class Job:
         """(rank 0) A finished run started again with a --tracker: the tracker gets what it may
         still lack (it did not answer at the run's end): the epochs, the final figures (the last
         epoch's), and that the run finished."""
-        records = read_metrics_tolerantly(self.run_dir / "metrics.jsonl")
-        if self.options.tracker == "none" or not records:
+        if self.options.tracker == "none":
             return
-        tracker, last = self.tracker({}, recorded=False), records[-1]
-        tracker.begin(records)
-        tracker.finish({k: last[k] for k in ("test_accuracy", "test_loss", "train_loss") if k in last}, last["step"])
-        tracker.close(0)
+        records = read_metrics_tolerantly(self.run_dir / "metrics.jsonl")
+        if records:
+            tracker = self.tracker({}, recorded=False)
+            tracker.begin(records)
+            tracker.finish(final_figures(records[-1]), records[-1]["step"])
+            tracker.close(0)
 
     def describe_run(self, plan: RunPlan, ckpt_path: str) -> None:
         """Each rank's line (host, device, its share, threads), and rank 0's: the global batch,
@@ -369,9 +378,10 @@ class Job:
                     write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
                 print("run_training.sbatch requeues the job when this step has ended; where it cannot, the line below "
                       "continues the run", flush=True)
-        if rt.is_main and not requeue_signal and stop.received != signal.SIGINT and self.launch.job_id:
+        requeue_here = rt.is_main and not requeue_signal and stop.received != signal.SIGINT
+        if requeue_here and self.launch.job_id:
             self.logger.close(EXIT_STOPPED)  # (a requeue that succeeds ends every process here: the tracker first)
-        requeued = not requeue_signal and stop.received != signal.SIGINT and rt.is_main and requeue_slurm_job(self.launch)
+        requeued = requeue_here and requeue_slurm_job(self.launch)
         if rt.is_main and not requeued:
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")

@@ -231,6 +231,12 @@ def read_metrics_tolerantly(path: Path) -> list[dict]:
     return records
 
 
+def final_figures(record: dict) -> dict:
+    """The run's final figures (final/* in TensorBoard and the tracker): its last epoch's (those
+    a hand-edited metrics.jsonl line still holds)."""
+    return {name: record[name] for name in ("test_accuracy", "test_loss", "train_loss") if name in record}
+
+
 def markdown_table(d: dict) -> str:
     return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in d.items())
 

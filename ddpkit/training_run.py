@@ -29,7 +29,7 @@ from ddpkit.launch import Diverged, StartupClock, StopSignals
 from ddpkit.options import RunOptions
 from ddpkit.profiling import StepProfiler
 from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
-from ddpkit.runlog import gpu_figures, peak_rss_mb
+from ddpkit.runlog import final_figures, gpu_figures, peak_rss_mb
 from ddpkit.stragglers import StepTimer, Stragglers
 from ddpkit.time_limit import TimeLimit
 
@@ -338,7 +338,7 @@ class TrainingRun:
                   flush=True)
         progress.finished = True
         self.checkpoint()
-        self.logger.finish({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss")}, progress.step)
+        self.logger.finish(final_figures(record), progress.step)
         hangs.doing(None)
         self.timer.remove()
 
