@@ -22,7 +22,7 @@ from ddpkit.supervisor.main import Supervisor
 from ddpkit.supervisor.outcome import Outcome
 from helpers.cluster import SBATCH_FILE
 from helpers.processes import ROOT, clean_env
-from helpers.supervisor import LINE, settings
+from helpers.supervisor import LINE, settings, stand_in_project
 
 BIN = Path(sys.executable).parent
 
@@ -136,9 +136,7 @@ def supervised_job(tmp_path: Path, srun_exits: str, args: list, **env: str) -> s
     check that it imports torch."""
     project, tools = tmp_path / "project", tmp_path / "bin"
     if not project.exists():
-        shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
-        (project / "mnist_ddp.py").write_text("v1\n")
-        tools.mkdir()
+        stand_in_project(project, tools)
         (tools / "srun").write_text(f"""#!/bin/bash
 while [[ $1 == -* ]]; do shift; done   # srun's own options
 shift 3                                # PYTHON, the task entry, "task"

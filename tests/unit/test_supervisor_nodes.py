@@ -11,7 +11,6 @@ tests/cluster/own_clusters/test_recovery_across_nodes.py.
     python -m pytest tests/unit/test_supervisor_nodes.py
 """
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +29,8 @@ from ddpkit.supervisor.nodes import (
     with_excluded,
 )
 from ddpkit.supervisor.outcome import Outcome
-from helpers.processes import ROOT, clean_env
-from helpers.supervisor import LINE
+from helpers.processes import clean_env
+from helpers.supervisor import LINE, stand_in_project
 
 LOST_PEER = Outcome(4, True, "rank 0 lost contact with a peer that died or hung")
 
@@ -99,9 +98,7 @@ def supervised_job(tmp_path: Path, steps: list, nodes: list, excluded: str = "(n
     it imports torch."""
     project, tools = tmp_path / "project", tmp_path / "bin"
     if not project.exists():
-        shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
-        (project / "mnist_ddp.py").write_text("v1\n")
-        tools.mkdir()
+        stand_in_project(project, tools)
         (tools / "srun").write_text(f"""#!/bin/bash
 words=()
 while [[ $1 == -* ]]; do words+=("$1"); shift; done
