@@ -80,10 +80,11 @@ def test_one_mlflow_run_across_a_stop_a_continuation_and_another_world_size_from
 
 def test_a_server_stopped_in_mid_run_stops_nothing_and_gets_every_step_once_back(mlflow_server, workdir):
     """The server goes down after the first epoch reached it, and comes back once the run has
-    named it (the run held with SIGSTOP while the server starts, so that epochs are left to
-    train when it is back): training goes on, one line names the tracker, the tracker answers
-    again, and the run in MLflow has every epoch once."""
-    epochs = 6  # (8 steps an epoch at the global batch of 512, each lasting at least 0.1 s)
+    named it: training goes on, one line names the tracker, the tracker answers again, and the
+    run in MLflow has every epoch once. (The run is held with SIGSTOP while the server stops
+    and while it starts again, so that epochs are left to train when it is back however slow
+    the machine is; its sender, in a session of its own, is not held.)"""
+    epochs = 8  # (8 steps an epoch at the global batch of 512, each lasting at least 0.1 s)
     args = ["--epochs", str(epochs), "--global-batch", "512", "--run-name", "flaky", "--tracker", "mlflow",
             "--image-every", "0"]
     out, err = open(workdir / "out.txt", "w+"), open(workdir / "err.txt", "w+")
@@ -102,8 +103,11 @@ def test_a_server_stopped_in_mid_run_stops_nothing_and_gets_every_step_once_back
         return bool(found and mlflow_server.history(found[0].info.run_id, "train/loss"))
 
     wait_for(in_mlflow, "epoch 1 in MLflow")
-    mlflow_server.stop()
+    os.kill(run.pid, signal.SIGSTOP)
     try:
+        assert len(read_metrics(run_dir)) < epochs - 2, "the run was near its end before the server stopped"
+        mlflow_server.stop()
+        os.kill(run.pid, signal.SIGCONT)
         wait_for(lambda: "warning: the tracker MLflow" in (workdir / "err.txt").read_text(), "the tracker named")
         os.kill(run.pid, signal.SIGSTOP)
         assert len(read_metrics(run_dir)) < epochs, "the run ended before the server was back"
