@@ -2,9 +2,9 @@
 # make test  - create .venv if missing, install what the tests need (Python packages; as
 #              root, Debian's Slurm, munge, shellcheck, openssh-server, bubblewrap, iptables and Fashion-MNIST), lint with
 #              ruff, check the docs' figures, run the whole suite: tests/unit and tests/runs on every core
-#              (pytest-xdist), then tests/cluster, the Slurm tests, as two pytest processes at once, one per
-#              group (tests/cluster/one_node and tests/cluster/own_clusters; their clusters listen on fixed
-#              ports, so each group runs in one process), their lines prefixed with the group's name
+#              (pytest-xdist), then tests/cluster, the Slurm tests, as three pytest processes at once, one
+#              per group (tests/cluster/one_node, own_clusters and mostly_waiting; their clusters listen on
+#              fixed ports, so each group runs in one process), their lines prefixed with the group's name
 # make test-fast - the fast tier on every core: tests/unit and tests/runs without the longer end-to-end
 #              runs (marked `slow` where they stand); no Slurm, network namespaces or sshd, no root
 #              needed (docs/tests.md)
@@ -17,8 +17,8 @@
 # Variables: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 #            ARGS (extra options for `make run`, e.g. ARGS="--epochs 2"), WORKERS (pytest-xdist
 #            workers for `make test` and `make test-fast`, default auto: one per CPU, at most 8),
-#            JUNIT (a path prefix: pytest's JUnit XML files, PREFIX-not-slurm.xml, PREFIX-slurm-1.xml and
-#            PREFIX-slurm-2.xml for `make test`, PREFIX-fast.xml for `make test-fast`; benchmarks/figures.py
+#            JUNIT (a path prefix: pytest's JUnit XML files, PREFIX-not-slurm.xml and PREFIX-slurm-1.xml to
+#            PREFIX-slurm-3.xml for `make test`, PREFIX-fast.xml for `make test-fast`; benchmarks/figures.py
 #            tests reads them).
 
 PYTHON ?= python3
@@ -56,20 +56,26 @@ run: $(VENV)/.installed
 	$(PY) mnist_ddp.py $(ARGS)
 
 # The Slurm groups run at once (docs/tests.md says what keeps them apart); each exit status is checked.
+SLURM_GROUPS := one_node own_clusters mostly_waiting
+
 test: SHELL := /bin/bash
 test: $(VENV)/.installed-dev
 	./local-slurm.sh install
 	$(PY) -m ruff check .
 	$(PY) benchmarks/figures.py
 	$(PY) -m pytest $(XDIST) $(if $(JUNIT),--junitxml=$(JUNIT)-not-slurm.xml) tests/unit tests/runs
-	set -o pipefail; \
-	$(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-1.xml) tests/cluster/one_node 2>&1 \
-	    | sed -u 's/^/[one_node] /' & one=$$!; \
-	$(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-2.xml) tests/cluster/own_clusters 2>&1 \
-	    | sed -u 's/^/[own_clusters] /' & own=$$!; \
-	wait $$one; one=$$?; wait $$own; own=$$?; \
-	echo "Slurm tests: one_node exit $$one, own_clusters exit $$own"; \
-	test $$one = 0 && test $$own = 0
+	set -o pipefail; pids=(); n=0; \
+	for group in $(SLURM_GROUPS); do \
+	    n=$$((n + 1)); \
+	    $(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-$$n.xml) tests/cluster/$$group 2>&1 \
+	        | sed -u "s/^/[$$group] /" & pids+=($$!); \
+	done; \
+	failed=0; n=0; \
+	for group in $(SLURM_GROUPS); do \
+	    wait $${pids[$$n]}; code=$$?; n=$$((n + 1)); \
+	    echo "Slurm tests: $$group exit $$code"; test $$code = 0 || failed=1; \
+	done; \
+	test $$failed = 0
 
 test-fast: $(VENV)/.installed-dev
 	$(PY) -m pytest $(XDIST) -m "not slow" $(if $(JUNIT),--junitxml=$(JUNIT)-fast.xml) tests/unit tests/runs

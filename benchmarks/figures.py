@@ -8,7 +8,7 @@
     python benchmarks/figures.py sample             # the bundled sample, seeds 0-2 (under a minute)
     python benchmarks/figures.py sweep              # the README's sweep, its summary and the screenshots
     python benchmarks/figures.py mlflow             # a run stopped and continued, in a real MLflow's UI
-    python benchmarks/figures.py tests P-not-slurm.xml P-slurm-1.xml P-slurm-2.xml --fast P-fast.xml
+    python benchmarks/figures.py tests P-not-slurm.xml P-slurm-1.xml P-slurm-2.xml P-slurm-3.xml --fast P-fast.xml
                                   # the suite's size and time: make test JUNIT=P, make test-fast JUNIT=P
 
 A figure block in a page sits between `<!-- figures: NAME -->` and `<!-- /figures -->`;
@@ -372,7 +372,7 @@ def read_junit(junit: Path) -> tuple[list, float, float]:
 
 def wall_seconds(spans: list[tuple[float, float]]) -> float:
     """The time covered by (start, end) spans: runs one after the other add up, runs at the
-    same time (make test's two Slurm groups) count once, as the longer of them."""
+    same time (make test's Slurm groups) count once, as the longest of them."""
     covered, reached = 0.0, float("-inf")
     for start, end in sorted(spans):
         covered += max(0.0, end - max(start, reached))
@@ -386,7 +386,7 @@ def case_file(case) -> str:
 
 def summarise_tests(junits: list[Path], fast: Path) -> int:
     """The suite's size and time from the JUnit XML files of one `make test` (its parts: the
-    tests without Slurm, then the two Slurm groups at the same time; the time is what their
+    tests without Slurm, then the Slurm groups at the same time; the time is what their
     sessions cover, from each file's start and length), and the fast tier's from one `make
     test-fast`: a file that holds a test outside the tier, or misses one, is refused."""
     runs = [read_junit(junit) for junit in junits]
@@ -538,7 +538,7 @@ def main() -> int:
     if not args.junit or not args.fast:
         parser.error("tests needs the JUnit XML files of make test and make test-fast: make test JUNIT=/tmp/suite && "
                      "make test-fast JUNIT=/tmp/suite, then: tests /tmp/suite-not-slurm.xml /tmp/suite-slurm-1.xml "
-                     "/tmp/suite-slurm-2.xml --fast /tmp/suite-fast.xml")
+                     "/tmp/suite-slurm-2.xml /tmp/suite-slurm-3.xml --fast /tmp/suite-fast.xml")
     return summarise_tests(args.junit, args.fast)
 
 

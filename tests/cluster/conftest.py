@@ -1,7 +1,8 @@
 """tests/cluster/: every test that starts a local Slurm (local-slurm.sh), network namespaces or
-sshd; all marked `slurm`. They need root. Two groups, each run by a pytest process of its
+sshd; all marked `slurm`. They need root. Three groups, each run by a pytest process of its
 own, at the same time (`make test`; docs/tests.md): one_node/ shares one single-node cluster,
-own_clusters/ holds the clusters in network namespaces and those a test starts for itself.
+own_clusters/ holds the clusters in network namespaces and those a test starts for itself,
+mostly_waiting/ the tests that mostly wait (the time limit, nodes lost and left out).
 Each cluster fixture lives in its group's conftest.py, so no cluster is started by both; the
 clusters in the host's network namespace number their jobs from blocks of their own, so no two
 jobs share a rendezvous port (helpers/cluster.py). No test's verdict depends on the machine's

@@ -15,12 +15,13 @@ from helpers.processes import ROOT, clean_env
 LOCAL_SLURM = ROOT / "local-slurm.sh"
 SBATCH_FILE = ROOT / "run_training.sbatch"
 
-# The single-node clusters share the host's network, and run jobs at the same time: one_node in
-# one group, the others in the other (make test runs both groups at once, docs/tests.md). A job
+# The single-node clusters share the host's network, and run jobs at the same time: one_node,
+# timed_node and the others each in a group of its own (make test runs the groups at once,
+# docs/tests.md). A job
 # derives its rendezvous port from its id (10000 + id % 20000, ddpkit/contract.py), and every
 # cluster would number its jobs from 1: each numbers them from a block of its own instead. (The
 # clusters in network namespaces have ports of their own.)
-FIRST_JOB_ID = {"one_node": 1001, "bound_node": 3001, "roomy_node": 5001, "gpu_node": 7001}
+FIRST_JOB_ID = {"one_node": 1001, "bound_node": 3001, "roomy_node": 5001, "gpu_node": 7001, "timed_node": 9001}
 
 
 def on_host_network(name: str, **settings: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ its host; exit 0 still), and a rank that never comes (exit 4 within --dist-timeo
 it). The two-node cluster with a firewall between the nodes is
 tests/cluster/own_clusters/test_slurm_on_own_clusters.py's
 test_check_reports_every_rank_of_two_nodes_and_names_the_node_a_firewall_cuts_off; a slow
-node of three, tests/cluster/own_clusters/test_check_on_three_nodes.py.
+node of three, tests/cluster/mostly_waiting/test_check_on_three_nodes.py.
 
     python -m pytest tests/runs/test_doctor.py
 """

@@ -2,7 +2,7 @@
 node or pair of nodes is slower than 1.5 times the others (each line with the sbatch
 --exclude that leaves the node out), and the rounds in which the nodes' first ranks time
 their links, stopped by a time budget; the exit code of ranks that cannot run a step. The check in real runs: tests/runs/test_doctor.py (a slow rank on one host)
-and tests/cluster/own_clusters/test_check_on_three_nodes.py (a slow node of three).
+and tests/cluster/mostly_waiting/test_check_on_three_nodes.py (a slow node of three).
 
     python -m pytest tests/unit/test_doctor_speeds.py
 """

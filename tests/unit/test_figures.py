@@ -180,8 +180,8 @@ def junit_file(path: Path, seconds: float, cases: list[tuple[str, str]], start: 
 
 @pytest.mark.slow
 def test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier(tmp_path):
-    """`figures.py tests` adds up make test's parts, the two Slurm groups that run at the same
-    time as the longer of them, and takes the fast tier's figure only from a run that holds
+    """`figures.py tests` adds up make test's parts, Slurm groups that run at the same time as
+    the longer of them, and takes the fast tier's figure only from a run that holds
     exactly the tests the markers leave in it (neither slurm, by folder, nor slow): one more,
     or one fewer, is refused."""
     copy = whole_copy(tmp_path)
@@ -190,7 +190,7 @@ def test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier(tmp_path):
     fast = [("tests.unit.test_recovery", line.split("::")[-1]) for line in collected.stdout.splitlines() if "::" in line]
     assert ("tests.unit.test_recovery", "test_checkpoint_clock_with_a_fake_clock") in fast
     slurm = [("tests.cluster.one_node.test_recovery_on_slurm", "test_a_crash_loop_gives_up_after_max_restarts")]
-    other = [("tests.cluster.own_clusters.test_recovery_across_nodes", "test_a_lost_node_requeues_the_job_onto_the_nodes_left")]
+    other = [("tests.cluster.mostly_waiting.test_recovery_across_nodes", "test_a_lost_node_requeues_the_job_onto_the_nodes_left")]
     parts = [junit_file(tmp_path / "a.xml", 91.5, fast), junit_file(tmp_path / "b.xml", 300.0, slurm, start=91.5),
              junit_file(tmp_path / "c.xml", 250.0, other, start=92.0)]  # (b and c at once: 391.5 s in all)
     for wrong, said in ((fast + slurm, "1 tests outside it, 0 of it missing"), (fast[1:], "0 tests outside it, 1 of it missing")):
@@ -201,6 +201,16 @@ def test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier(tmp_path):
     written = json.loads((copy / "docs" / "figures" / "tests.json").read_text())
     assert {k: v for k, v in written.items() if k != "machine"} == \
         {"tests": len(fast) + 2, "seconds": 391.5, "fast_tests": len(fast), "fast_seconds": 12.5}
+
+
+def test_make_test_runs_every_group_of_the_slurm_tests():
+    """Each folder of tests/cluster is a group that make test runs in a pytest process of its
+    own (SLURM_GROUPS, read by make itself): a new folder left out of it would never run."""
+    printed = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-groups: ; @echo $(SLURM_GROUPS)",
+                              "print-groups"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    folders = {p.parent.name for p in (ROOT / "tests" / "cluster").glob("*/test_*.py")}
+    assert sorted(printed.stdout.split()) == sorted(folders) and len(folders) == 3
 
 
 # ----------------------------------------------------------------------------- claims the pages make

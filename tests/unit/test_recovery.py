@@ -3,7 +3,7 @@ clock, two real Gloo ranks that agree on a checkpoint due by time and name a los
 per-step agreement that lands one step later on every rank, and torchrun's workers hiding
 unfixable codes from the agent (which outcomes the job retries: tests/unit/test_supervisor_outcome.py).
 The failures healed on a real Slurm: tests/cluster/one_node/test_recovery_on_slurm.py and
-tests/cluster/own_clusters/test_recovery_across_nodes.py.
+tests/cluster/mostly_waiting/test_recovery_across_nodes.py.
 
     python -m pytest tests/unit/test_recovery.py
 """

@@ -6,7 +6,7 @@ supervisor run as run_training.sbatch hands over to it, with a stand-in srun who
 leave those files and a stand-in scontrol: a node pinned twice is left out, once; the step
 starts again on the job's other nodes when MIN_NODES allows, else the job is requeued with
 the node in its ExcNodeList; the line after END excludes it. The same on a real Slurm:
-tests/cluster/own_clusters/test_recovery_across_nodes.py.
+tests/cluster/mostly_waiting/test_recovery_across_nodes.py.
 
     python -m pytest tests/unit/test_supervisor_nodes.py
 """

@@ -2,8 +2,8 @@
 run_training.sbatch passes on or from scontrol itself; the stop --stop-before minutes
 ahead of the end (auto: a minute plus twice the slowest save and step); the start line and
 the estimate after the first epoch, on a clock the test moves. The real thing, a job that
-saves and requeues itself before its time limit, is tests/cluster/one_node/test_slurm.py's
-test_a_job_without_signal_requeues_itself_before_its_time_limit.
+saves and requeues itself before its time limit, is
+tests/cluster/mostly_waiting/test_time_limit_on_slurm.py.
 
     python -m pytest tests/unit/test_time_limit.py
 """

@@ -1,7 +1,7 @@
 """tests/cluster/one_node/: the tests that share one single-node Slurm in the host's network
 namespace for the whole session (each start and stop costs seconds, and no test leaves the
 cluster other than it found it: jobs end, rules are removed). Run as one pytest process,
-beside tests/cluster/own_clusters/."""
+beside tests/cluster/own_clusters/ and tests/cluster/mostly_waiting/."""
 
 import pytest
 

@@ -3,7 +3,7 @@ processes and real signals: a rank SIGKILLed twice in one job (final parameters 
 uninterrupted run's), a rank frozen with SIGSTOP (named from outside before the timeout), a
 crash loop that gives up after MAX_RESTARTS, a rank that dies after it finished and saved,
 and usage errors and a divergence that are not retried. Across nodes:
-tests/cluster/own_clusters/test_recovery_across_nodes.py; at unit level:
+tests/cluster/mostly_waiting/test_recovery_across_nodes.py; at unit level:
 tests/unit/test_recovery.py.
 
 The times these tests print (kill to resumed, hang detected) are the README's "Failures and

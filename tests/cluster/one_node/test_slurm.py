@@ -1,8 +1,9 @@
 """run_training.sbatch on a real Slurm 22.05 that the tests start with local-slurm.sh: the
 one node on the host's network that this group shares (two jobs at once sharing a data
-directory, SIGUSR1, requeues, environments, containers, the time limit). Also: the guard outside Slurm, the helper that prints torchrun commands (run for
+directory, SIGUSR1, requeues, environments, containers). Also: the guard outside Slurm, the helper that prints torchrun commands (run for
 real), and bash -n plus shellcheck on every script. Two nodes in network namespaces, and the
-clusters a test starts for itself: tests/cluster/own_clusters/test_slurm_on_own_clusters.py.
+clusters a test starts for itself: tests/cluster/own_clusters/test_slurm_on_own_clusters.py; the
+time limit: tests/cluster/mostly_waiting/test_time_limit_on_slurm.py.
 
 Needs root, Slurm, munge and shellcheck (`./local-slurm.sh install`, which `make test`
 runs). A missing Slurm fails these tests; it does not skip them.
@@ -21,11 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import preloaded
 from helpers.cluster import LOCAL_SLURM, SBATCH_FILE, finish, usr1_saves_requeues_and_resumes, wait_for_epoch_1
-from helpers.images import SAMPLE, load_params, read_metrics
+from helpers.images import SAMPLE, read_metrics
 from helpers.processes import ROOT, clean_env
 
 SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT / "tensorboard.sh", ROOT / ".ci" / "run"]
@@ -372,40 +371,3 @@ def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_n
     assert "not training again" not in out_a and "to continue from the newest checkpoint, from " in out_a
     epochs = [m["epoch"] for m in read_metrics(run_dir)]
     assert epochs == list(range(1, len(epochs) + 1))
-
-
-def test_a_job_without_signal_requeues_itself_before_its_time_limit(one_node, tmp_path):
-    """A site's copy of the batch file without the --signal line, --time=2 (minutes) and about
-    130 s of training on one rank (16 epochs of 32 steps, each step made to last at least
-    0.25 s by the tests' aid AID_STEP_SECONDS, so that the run's length holds whatever else the
-    machine runs): rank 0 says after its first epoch that the run does not fit, saves and stops
-    about a minute before the limit (--stop-before auto) with no signal from Slurm, and the
-    batch shell requeues the job, again and again (each job trains for about 55 s) until it
-    ends with exit 0; its weights are those of the same run uninterrupted, trained beside it."""
-    batch_file = tmp_path / "site.sbatch"
-    batch_file.write_text("".join(line for line in SBATCH_FILE.read_text().splitlines(keepends=True)
-                                  if not line.startswith("#SBATCH --signal")))
-    epochs = 16  # (4000 images at the global batch of 128: 32 steps an epoch)
-    args = ["--epochs", str(epochs), "--image-every", "0"]
-    (tmp_path / "alone").mkdir()
-    uninterrupted = preloaded.Run([*args, "--log-dir", "runs", "--run-name", "alone"], tmp_path / "alone",
-                                  clean_env(OMP_NUM_THREADS="1"))
-    client = one_node.sbatch(tmp_path, ["--time=2", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
-                             args, batch_file=batch_file, PROJECT_DIR=str(ROOT), AID_STEP_SECONDS="0.25")
-    job_id, out = finish(client, tmp_path, timeout=900)
-    assert uninterrupted.wait(600).returncode == 0
-    assert re.search(r"^0: Slurm ends this job in [\w ]+: it saves and stops 60 s before that \(--stop-before auto\)",
-                     out, re.M), out[:3000]
-    assert re.search(r"^0: needs about \d+ \w+ at this speed, the job ends in \d+ \w+: it will be requeued about ", out, re.M)
-    stops = re.findall(r"^0: stopping on the time limit \((\d+) s left\) at step \d+: saved ", out, re.M)
-    before = re.findall(rf"^requeueing Slurm job {job_id} after the time limit came near; it resumes from its last "
-                        r"checkpoint \((-?\d+) s before the job's time limit\)$", out, re.M)
-    assert len(before) == len(stops) >= 2, out[-4000:]
-    assert all(int(seconds) > 0 for seconds in before), before  # always requeued before Slurm's limit
-    assert "DUE TO TIME LIMIT" not in out and f"job={job_id} exit=0" in out
-    assert re.findall(r"^START .* restart=(\d+) ", out, re.M) == [str(n) for n in range(len(stops) + 1)]
-    run_dir = tmp_path / "runs" / f"job-{job_id}"
-    assert [m["epoch"] for m in read_metrics(run_dir)] == list(range(1, epochs + 1))
-    params, alone = load_params(run_dir), load_params(tmp_path / "alone" / "runs" / "alone")
-    for name in alone:
-        torch.testing.assert_close(params[name], alone[name], rtol=0, atol=0, msg=name)

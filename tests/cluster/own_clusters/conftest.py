@@ -1,7 +1,7 @@
-"""tests/cluster/own_clusters/: the clusters in network namespaces (two_nodes and three_nodes
-here, shared by the group's files; two wider nodes and the sshd network in their files) and
-the single-node clusters a test starts for itself (their own ports, prefixes and job ids). Run
-as one pytest process, beside tests/cluster/one_node/."""
+"""tests/cluster/own_clusters/: the clusters in network namespaces (two_nodes here, shared by
+the group's files; two wider nodes and the sshd network in their files) and the single-node
+clusters a test starts for itself (their own ports, prefixes and job ids). Run as one pytest
+process, beside tests/cluster/one_node/ and tests/cluster/mostly_waiting/."""
 
 import pytest
 
@@ -16,17 +16,5 @@ def two_nodes(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("slurm2"), 2,
                       clean_env(LOCAL_SLURM_PORT="16827", LOCAL_SLURM_PREFIX="mt", LOCAL_SLURM_SUBNET="10.231.9",
                                 LOCAL_SLURM_SELF_LOOPBACK="1"))
-    yield cluster
-    cluster.stop()
-
-
-
-@pytest.fixture(scope="module")
-def three_nodes(tmp_path_factory):
-    """Three nodes (ftn1, ftn2, ftn3); slurmctld declares a silent node down within about 10 s.
-    One per file that uses it: test_recovery_across_nodes.py's tests take nodes down."""
-    cluster = Cluster(tmp_path_factory.mktemp("slurm3"), 3,
-                      clean_env(LOCAL_SLURM_PORT="16847", LOCAL_SLURM_PREFIX="ft", LOCAL_SLURM_SUBNET="10.231.11",
-                                LOCAL_SLURM_SELF_LOOPBACK="1", LOCAL_SLURM_CONF="SlurmdTimeout=10\nMessageTimeout=3"))
     yield cluster
     cluster.stop()

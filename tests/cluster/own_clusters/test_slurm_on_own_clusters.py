@@ -1,6 +1,7 @@
 """run_training.sbatch on clusters of this group's own (local-slurm.sh): two nodes in network
 namespaces (1 task on each, the torchrun mode, SIGUSR1 with torchrun, torchrun's agent
-surviving SIGUSR1, `CHECK=1` healthy and with a firewall between the nodes), two wider nodes
+surviving SIGUSR1, a torchrun worker killed and restarted, `CHECK=1` healthy and with a
+firewall between the nodes), two wider nodes
 (the line after END asks for the same uneven task count), and single-node clusters a test
 starts for itself: task/affinity (each rank gets the CPUs it asked for), a node that
 advertises 18 CPUs (the site's SIGNAL in every form; the printed line that continues a job
@@ -13,6 +14,7 @@ tests/cluster/one_node/test_slurm.py.
 
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -20,12 +22,16 @@ import time
 import pytest
 
 from helpers.cluster import (
+    FAST,
     LOCAL_SLURM,
     SBATCH_FILE,
     Cluster,
     finish,
+    lost_steps,
     on_host_network,
+    signal_rank,
     usr1_saves_requeues_and_resumes,
+    wait_for,
     wait_for_epoch_1,
 )
 from helpers.images import read_metrics
@@ -95,6 +101,19 @@ def test_torchrun_agent_survives_usr1(two_nodes, tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", "run-name=tr-usr1"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "processes of the job are still running"
+
+
+def test_torchrun_restarts_a_killed_worker_across_two_nodes(two_nodes, tmp_path):
+    client = two_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
+                              [*FAST, "--epochs", "6"], LAUNCHER="torchrun", RUN_NAME="elastic")
+    wait_for(tmp_path, r"^0: epoch   1 \|")
+    killed = signal_rank("elastic", 1, signal.SIGKILL)
+    resumed = wait_for(tmp_path, r"^0: resumed from ")
+    _, out = finish(client, tmp_path)
+    print(f"\ntorchrun: SIGKILL to training resumed {resumed - killed:.1f} s; steps lost {lost_steps(out)}")
+    assert re.search(r"^0: resumed from \S+: epoch \d, step \d+ \(attempt 2/4, requeued 0x\)", out, re.M), out[-3000:]
+    assert re.search(r"^END .* exit=0$", out, re.M)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "elastic")] == list(range(1, 7))
 
 
 @pytest.fixture(scope="module")

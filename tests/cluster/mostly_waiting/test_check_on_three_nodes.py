@@ -8,7 +8,7 @@ tests' jobs may load at the same moment, so whether ftn1-ftn3 passes for slow is
 the unit tests of the rule: tests/unit/test_doctor_speeds.py. The lines and times it prints
 are docs/clusters.md's.
 
-    python -m pytest tests/cluster/own_clusters/test_check_on_three_nodes.py
+    python -m pytest tests/cluster/mostly_waiting/test_check_on_three_nodes.py
 """
 
 import re
