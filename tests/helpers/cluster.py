@@ -48,6 +48,28 @@ class Cluster:
         cmd = [str(LOCAL_SLURM), "exec", str(self.dir), "sbatch", "--wait", "--parsable", *options, str(batch_file), *args]
         return subprocess.Popen(cmd, cwd=submit_dir, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    def scontrol(self, *args: str) -> str:
+        return subprocess.run([str(LOCAL_SLURM), "exec", str(self.dir), "scontrol", *args], env=self.env,
+                              capture_output=True, text=True, timeout=60).stdout
+
+    def every_node_idle(self, timeout: float = 300) -> None:
+        """Wait until every node is idle again after a test that cut one off or killed its daemons,
+        resuming a node that Slurm drained meanwhile: a step that could not report its end
+        while its node was cut off holds its slurmstepd past UnkillableStepTimeout, and Slurm
+        drains the node ("Kill task failed"), as it would on a real cluster."""
+        deadline, states = time.monotonic() + timeout, {}
+        while time.monotonic() < deadline:
+            listed = subprocess.run([str(LOCAL_SLURM), "exec", str(self.dir), "sinfo", "-h", "-N", "-o", "%N %T"],
+                                    env=self.env, capture_output=True, text=True, timeout=60).stdout
+            states = dict(line.split() for line in listed.splitlines() if line.strip())
+            if states and all(state == "idle" for state in states.values()):
+                return
+            for node, state in states.items():
+                if state.startswith("drain"):
+                    self.scontrol("update", f"nodename={node}", "state=resume")
+            time.sleep(1)
+        raise AssertionError(f"the cluster's nodes are not all idle within {timeout:g} s: {states}")
+
     def stop(self):
         subprocess.run([str(LOCAL_SLURM), "stop", str(self.dir)], env=self.env, capture_output=True, timeout=120)
 

@@ -18,9 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers.cluster import FAST, LOCAL_SLURM, finish, output_of, signal_rank, wait_for
 from helpers.images import read_metrics
 from helpers.processes import clean_env
+
+
+@pytest.fixture(autouse=True)
+def three_idle_nodes(three_nodes):
+    """Each test starts on three idle nodes, whatever the one before it cut off or drained."""
+    three_nodes.every_node_idle()
 
 
 def test_a_job_leaves_out_a_node_that_hangs_at_every_start_and_finishes_on_the_other_two(three_nodes, tmp_path):
