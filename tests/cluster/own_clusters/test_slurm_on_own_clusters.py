@@ -1,12 +1,12 @@
 """run_training.sbatch on clusters of this group's own (local-slurm.sh): two nodes in network
 namespaces (1 task on each, the torchrun mode, SIGUSR1 with torchrun, torchrun's agent
 surviving SIGUSR1, a torchrun worker killed and restarted, `CHECK=1` healthy and with a
-firewall between the nodes), two wider nodes
-(the line after END asks for the same uneven task count), and single-node clusters a test
-starts for itself: task/affinity (each rank gets the CPUs it asked for), a node that
-advertises 18 CPUs (the site's SIGNAL in every form; the printed line that continues a job
-that may not requeue, run verbatim; salloc, srun and the batch file inside an allocation), a node with GPUs in gres.conf (the
-line after END keeps the GPUs however they were asked for). The shared one-node cluster's:
+firewall between the nodes), two wider nodes (the line after END asks for the same uneven
+task count), and single-node clusters a test starts for itself: task/affinity (each rank
+gets the CPUs it asked for), a node that advertises 18 CPUs (the site's SIGNAL in every
+form; the printed line that continues a job that may not requeue, run verbatim; salloc,
+srun and the batch file inside an allocation), a node with GPUs in gres.conf (the line
+after END keeps the GPUs however they were asked for). The shared one-node cluster's:
 tests/cluster/one_node/test_slurm.py.
 
     python -m pytest tests/cluster/own_clusters/test_slurm_on_own_clusters.py
