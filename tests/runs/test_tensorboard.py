@@ -45,9 +45,13 @@ def logdir(tmp_path_factory) -> Path:
 
 
 def start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    """tensorboard.sh as a terminal starts it: with SIGINT as Ctrl-C has it, even where the
+    tests themselves run as a background job of a non-interactive shell, which starts with
+    SIGINT ignored (and so would TensorBoard, which then never stops on it)."""
     env = clean_env(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env)
     return subprocess.Popen([str(TENSORBOARD_SH), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def get_json(port: int, path: str):
