@@ -5,6 +5,8 @@
 #              (pytest-xdist), then tests/cluster, the Slurm tests, as three pytest processes at once, one
 #              per group (tests/cluster/one_node, own_clusters and mostly_waiting; their clusters listen on
 #              fixed ports, so each group runs in one process), their lines prefixed with the group's name
+# make test-slurm - the second part of make test alone: the Slurm groups at once (as root, once make
+#              test has installed Slurm and the rest)
 # make test-fast - the fast tier on every core: tests/unit and tests/runs without the longer end-to-end
 #              runs (marked `slow` where they stand); no Slurm, network namespaces or sshd, no root
 #              needed (docs/tests.md)
@@ -31,7 +33,7 @@ WORKERS ?= auto
 # do not queue behind one worker at the end.
 XDIST   := -n $(WORKERS) --maxprocesses 8 --dist worksteal
 
-.PHONY: run test test-fast check-docs mutants
+.PHONY: run test test-slurm test-fast check-docs mutants
 
 # The functions `make mutants` mutates (mutmut's names; ? stands for the ǁ around a class name).
 MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.contract.x_port_from_job_id__*' \
@@ -55,27 +57,33 @@ MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.contract.x_port_from_job
 run: $(VENV)/.installed
 	$(PY) mnist_ddp.py $(ARGS)
 
-# The Slurm groups run at once (docs/tests.md says what keeps them apart); each exit status is checked.
+# The Slurm groups run at once (docs/tests.md says what keeps them apart).
 SLURM_GROUPS := one_node own_clusters mostly_waiting
 
-test: SHELL := /bin/bash
 test: $(VENV)/.installed-dev
 	./local-slurm.sh install
 	$(PY) -m ruff check .
 	$(PY) benchmarks/figures.py
 	$(PY) -m pytest $(XDIST) $(if $(JUNIT),--junitxml=$(JUNIT)-not-slurm.xml) tests/unit tests/runs
-	set -o pipefail; pids=(); n=0; \
+	$(MAKE) --no-print-directory test-slurm
+
+# Each group's exit status goes to a file of its own: a background pipeline's status is lost
+# once it has ended (bash keeps the status of its last command, sed), and a group may end
+# long before the others.
+test-slurm: SHELL := /bin/bash
+test-slurm: $(VENV)/.installed-dev
+	status=$$(mktemp -d); n=0; \
 	for group in $(SLURM_GROUPS); do \
 	    n=$$((n + 1)); \
-	    $(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-$$n.xml) tests/cluster/$$group 2>&1 \
-	        | sed -u "s/^/[$$group] /" & pids+=($$!); \
+	    { $(PY) -m pytest $(if $(JUNIT),--junitxml=$(JUNIT)-slurm-$$n.xml) tests/cluster/$$group 2>&1; \
+	      echo $$? > "$$status/$$group"; } | sed -u "s/^/[$$group] /" & \
 	done; \
-	failed=0; n=0; \
+	wait; failed=0; \
 	for group in $(SLURM_GROUPS); do \
-	    wait $${pids[$$n]}; code=$$?; n=$$((n + 1)); \
-	    echo "Slurm tests: $$group exit $$code"; test $$code = 0 || failed=1; \
+	    code=$$(cat "$$status/$$group" 2>/dev/null || echo none); \
+	    echo "Slurm tests: $$group exit $$code"; test "$$code" = 0 || failed=1; \
 	done; \
-	test $$failed = 0
+	rm -rf "$$status"; test $$failed = 0
 
 test-fast: $(VENV)/.installed-dev
 	$(PY) -m pytest $(XDIST) -m "not slow" $(if $(JUNIT),--junitxml=$(JUNIT)-fast.xml) tests/unit tests/runs

@@ -203,16 +203,6 @@ def test_the_fast_tier_figure_comes_from_a_run_of_exactly_that_tier(tmp_path):
         {"tests": len(fast) + 2, "seconds": 391.5, "fast_tests": len(fast), "fast_seconds": 12.5}
 
 
-def test_make_test_runs_every_group_of_the_slurm_tests():
-    """Each folder of tests/cluster is a group that make test runs in a pytest process of its
-    own (SLURM_GROUPS, read by make itself): a new folder left out of it would never run."""
-    printed = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-groups: ; @echo $(SLURM_GROUPS)",
-                              "print-groups"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert printed.returncode == 0, printed.stderr
-    folders = {p.parent.name for p in (ROOT / "tests" / "cluster").glob("*/test_*.py")}
-    assert sorted(printed.stdout.split()) == sorted(folders) and len(folders) == 3
-
-
 # ----------------------------------------------------------------------------- claims the pages make
 
 def exit_codes_of_the_manual() -> set[str]:
