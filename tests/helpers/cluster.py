@@ -48,9 +48,10 @@ class Cluster:
         cmd = [str(LOCAL_SLURM), "exec", str(self.dir), "sbatch", "--wait", "--parsable", *options, str(batch_file), *args]
         return subprocess.Popen(cmd, cwd=submit_dir, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def scontrol(self, *args: str) -> str:
-        return subprocess.run([str(LOCAL_SLURM), "exec", str(self.dir), "scontrol", *args], env=self.env,
-                              capture_output=True, text=True, timeout=60).stdout
+    def run(self, *command: str) -> str:
+        """What a Slurm command (sinfo, scontrol, ...) run against this cluster prints."""
+        return subprocess.run([str(LOCAL_SLURM), "exec", str(self.dir), *command], env=self.env, capture_output=True,
+                              text=True, timeout=60).stdout
 
     def every_node_idle(self, timeout: float = 300) -> None:
         """Wait until every node is idle again after a test that cut one off or killed its daemons,
@@ -59,14 +60,13 @@ class Cluster:
         drains the node ("Kill task failed"), as it would on a real cluster."""
         deadline, states = time.monotonic() + timeout, {}
         while time.monotonic() < deadline:
-            listed = subprocess.run([str(LOCAL_SLURM), "exec", str(self.dir), "sinfo", "-h", "-N", "-o", "%N %T"],
-                                    env=self.env, capture_output=True, text=True, timeout=60).stdout
+            listed = self.run("sinfo", "-h", "-N", "-o", "%N %T")
             states = dict(line.split() for line in listed.splitlines() if line.strip())
             if states and all(state == "idle" for state in states.values()):
                 return
             for node, state in states.items():
                 if state.startswith("drain"):
-                    self.scontrol("update", f"nodename={node}", "state=resume")
+                    self.run("scontrol", "update", f"nodename={node}", "state=resume")
             time.sleep(1)
         raise AssertionError(f"the cluster's nodes are not all idle within {timeout:g} s: {states}")
 

@@ -123,8 +123,7 @@ def test_a_no_kill_job_that_loses_a_node_without_min_nodes_is_requeued_onto_whol
                      r"than MIN_NODES=2 \(unset: every node of the job\); it resumes from its last checkpoint", out, re.M), \
         out[-3000:]
     rerun_nodes = re.findall(r"^START .* restart=1 nodes=(\S+) ", out, re.M)[0]
-    assert node not in subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "scontrol", "show", "hostnames",
-                                       rerun_nodes], env=three_nodes.env, capture_output=True, text=True).stdout.split()
+    assert node not in three_nodes.run("scontrol", "show", "hostnames", rerun_nodes).split()
     assert re.search(r"^0: resumed from .*\(attempt 1/4, requeued 1x\)", out, re.M)
     assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "whole")] == [1, 2, 3]
@@ -146,7 +145,6 @@ def test_a_lost_node_requeues_the_job_onto_the_nodes_left(three_nodes, tmp_path)
     print(f"\nnode lost to training again on the nodes left: {resumed - lost:.1f} s")
     assert re.search(rf"^START .* job={job_id} restart=1 nodes=\S+ ", out, re.M)
     rerun_nodes = re.findall(r"^START .* restart=1 nodes=(\S+) ", out, re.M)[0]
-    assert node not in subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "scontrol", "show", "hostnames",
-                                       rerun_nodes], env=three_nodes.env, capture_output=True, text=True).stdout.split()
+    assert node not in three_nodes.run("scontrol", "show", "hostnames", rerun_nodes).split()
     assert re.search(r"^0: resumed from .*\(attempt 1/4, requeued 1x\)", out, re.M)
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "survivor")] == list(range(1, 7))
