@@ -29,6 +29,7 @@ from ddpkit.supervisor.nodes import (
     with_excluded,
 )
 from ddpkit.supervisor.outcome import Outcome
+from helpers.pages import assert_quoted_whole
 from helpers.processes import clean_env
 from helpers.supervisor import LINE, stand_in_project
 
@@ -191,6 +192,7 @@ def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_li
     assert result.returncode == 4, result.stdout + result.stderr
     assert printed(result, "requeueing Slurm job 77 after exit 4: the job holds 2 of its 2 nodes (n1,n2), 1 without the node "
                            "it leaves out, fewer than MIN_NODES=2 (unset: every node of the job); it resumes")
+    assert_quoted_whole("docs/recovery.md", printed(result, "requeueing")[0])
     end = result.stdout.splitlines()[-1]
     assert end.startswith("to continue from the newest checkpoint, from ") and \
         " --exclude=n2 " in end and end.endswith("run_training.sbatch --epochs 3"), end
@@ -304,6 +306,19 @@ def test_after_a_node_left_out_a_lost_node_leaves_the_step_on_the_usable_nodes_a
     assert (tmp_path / "srun.log").read_text().splitlines()[2:] == [
         "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --exclude=n2",
         "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
+
+
+def test_a_lost_node_with_min_nodes_starts_the_step_again_on_the_node_left_as_recovery_md_quotes(tmp_path):
+    """MIN_NODES=1 of 2 nodes, n2 lost (scontrol shows n1 alone): the step starts again on n1
+    with 1 rank, and its ATTEMPT line is the one docs/recovery.md quotes, whole."""
+    lose_n2 = step(["n1", "n2"], {0: 4}, 137, world_sizes="1 2",
+                   then=f"echo '{LINE} NumNodes=1 NodeList=n1 ExcNodeList=(null)' > {tmp_path}/shows")
+    result = supervised_job(tmp_path, [lose_n2, step(["n1"], {0: 0}, 0)], ["n1", "n2"], MIN_NODES="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    attempt = printed(result, "ATTEMPT 2/4")[0]
+    assert attempt.endswith(": the job holds 1 of its 2 nodes (n1), so on 1 node(s) with 1 rank(s) instead of 2; it resumes "
+                            "from the newest checkpoint"), attempt
+    assert_quoted_whole("docs/recovery.md", attempt)
 
 
 def test_a_node_name_outside_the_jobs_node_list_is_never_pinned(tmp_path):
