@@ -284,3 +284,15 @@ def test_the_launching_commands_find_torch_and_torchrun_after_make_run_and_the_r
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"after {first!r}: {result.stdout}{result.stderr}"
     assert Path(result.stdout.strip()).parent == ROOT / ".venv" / "bin"
+
+
+def test_what_it_does_md_and_evaluates_docstring_count_its_all_reduces():
+    """"Evaluation is exact" names as many all-reduces as `evaluate` makes (a collective a
+    reader of the page counts on), and so does evaluate's docstring."""
+    tree = ast.parse((ROOT / "mnist_ddp.py").read_text())
+    evaluate = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "evaluate")
+    calls = [node for node in ast.walk(evaluate) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "all_reduce"]
+    said = {1: "one all-reduce", 2: "two all-reduces", 3: "three all-reduces"}[len(calls)]
+    bullet = (ROOT / "docs" / "what-it-does.md").read_text().split("**Evaluation is exact.**", 1)[1].split("\n- ", 1)[0]
+    assert said in " ".join(bullet.split()), bullet
+    assert said in " ".join(ast.get_docstring(evaluate).split())
