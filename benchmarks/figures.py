@@ -117,6 +117,20 @@ def ranks_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def lr_rule_gain() -> str:
+    """docs/defaults.md, batch: the share of what --batch-size 128 loses against 1 rank that
+    --lr x sqrt(ranks) wins back, by rank count, from ranks.json (bench.py --ranks writes its
+    three ways in this order)."""
+    r = load("ranks.json")
+    _, weak, rule = r["accuracy"].values()
+    counts = [n for n in weak if int(n) > 1 and weak[n] < weak["1"]]
+    shares = [f"{100 * (rule[n] - weak[n]) / (weak['1'] - weak[n]):.0f} %" for n in counts]
+
+    def listed(words: list[str]) -> str:
+        return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
+    return f"{listed(shares)} of what {listed(counts)} ranks lose in 2 epochs ({source(r['machine'])})"
+
+
 def ranks_speed() -> str:
     """README and docs/what-it-does.md: 2 ranks of one thread against 1 rank of 2 threads at the
     default global batch, from bench.json's scaling run."""
@@ -249,7 +263,7 @@ def manual_figures() -> str:
 
 
 BLOCKS = {"benchmark-summary": benchmark_summary, "benchmark-table": benchmark_table, "ranks-table": ranks_table,
-          "ranks-speed": ranks_speed,
+          "ranks-speed": ranks_speed, "lr-rule-gain": lr_rule_gain,
           "startup-line": startup_line, "sample-accuracy": sample_accuracy, "make-run": make_run_line,
           "sweep-summary": sweep_summary, "sweep-source": sweep_source, "hparams-columns": hparams_columns,
           "tensorboard-output": tensorboard_output, "test-times": test_times, "speed-ratio": speed_ratio,

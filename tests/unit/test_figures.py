@@ -33,7 +33,7 @@ def test_the_readme_and_docs_agree_with_their_figure_files():
     assert result.returncode == 0, result.stdout + result.stderr
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
     blocks = [name for page in pages for name in re.findall(r"<!-- figures: (\S+) -->", page.read_text())]
-    assert {"benchmark-summary", "benchmark-table", "ranks-table", "sweep-summary", "test-times"} <= set(blocks)
+    assert {"benchmark-summary", "benchmark-table", "ranks-table", "sweep-summary", "test-times", "lr-rule-gain"} <= set(blocks)
 
 
 def test_every_figure_file_names_its_machine_and_date():
