@@ -296,3 +296,15 @@ def test_what_it_does_md_and_evaluates_docstring_count_its_all_reduces():
     bullet = (ROOT / "docs" / "what-it-does.md").read_text().split("**Evaluation is exact.**", 1)[1].split("\n- ", 1)[0]
     assert said in " ".join(bullet.split()), bullet
     assert said in " ".join(ast.get_docstring(evaluate).split())
+
+
+def test_tensorboard_md_lists_the_hparams_columns_in_the_order_they_are_declared():
+    """tensorboard.md's HPARAMS row names the options in the order mnist_ddp.hparams declares
+    them, and those it shows first outside a sweep as SHOWN_FIRST orders them."""
+    import mnist_ddp
+    from ddpkit.options import RunOptions
+    row = next(line for line in (ROOT / "docs" / "tensorboard.md").read_text().splitlines() if line.startswith("| HPARAMS |"))
+    declared = row.split("every option of the recipe", 1)[1].split("; against", 1)[0]
+    assert re.findall(r"`(\w+)`", declared) == list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
+    first = row.split("(else ", 1)[1].split(")", 1)[0]
+    assert tuple(re.findall(r"`(\w+)`", first)) == mnist_ddp.SHOWN_FIRST
