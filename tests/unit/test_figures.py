@@ -308,3 +308,13 @@ def test_tensorboard_md_lists_the_hparams_columns_in_the_order_they_are_declared
     assert re.findall(r"`(\w+)`", declared) == list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
     first = row.split("(else ", 1)[1].split(")", 1)[0]
     assert tuple(re.findall(r"`(\w+)`", first)) == mnist_ddp.SHOWN_FIRST
+
+
+def test_tests_md_counts_the_unit_tests_that_the_fast_tier_leaves_out():
+    """tests.md says how many unit tests are marked `slow` (make test-fast leaves them out):
+    each mark on a test or a parametrization; none on a whole unit test file."""
+    files = list((ROOT / "tests" / "unit").glob("test_*.py"))
+    assert not [path for path in files if re.search(r"^pytestmark\b.*slow", path.read_text(), re.M)]
+    marked = sum(len(re.findall(r"^@pytest\.mark\.slow$|marks=pytest\.mark\.slow\b", path.read_text(), re.M)) for path in files)
+    text = " ".join((ROOT / "docs" / "tests.md").read_text().split())
+    assert f"every unit test but the {marked} marked `slow`" in text
