@@ -104,7 +104,7 @@ def benchmark_table() -> str:
 
 
 def ranks_table() -> str:
-    """README, Launching: test accuracy by rank count, from ranks.json."""
+    """docs/what-it-does.md, The same model from 1 or 16 ranks: test accuracy by rank count, from ranks.json."""
     r = load("ranks.json")
     counts = [int(n) for n in next(iter(r["accuracy"].values()))]
     data = data_words(r["dataset"])
@@ -132,7 +132,7 @@ def lr_rule_gain() -> str:
 
 
 def ranks_speed() -> str:
-    """README and docs/what-it-does.md: 2 ranks of one thread against 1 rank of 2 threads at the
+    """docs/what-it-does.md: 2 ranks of one thread against 1 rank of 2 threads at the
     default global batch, from bench.json's scaling run."""
     b = load("bench.json")
     s = b["scaling"]
@@ -143,7 +143,7 @@ def ranks_speed() -> str:
 
 
 def startup_line() -> str:
-    """README, Start-up: the `ready in` line of the benchmark's run of the defaults."""
+    """docs/what-it-does.md, Start-up: the `ready in` line of the benchmark's run of the defaults."""
     b = load("bench.json")
     return (f"`{b['default']['ready_line']}` (the benchmark's run of the defaults, one process, "
             f"{data_words(b['dataset'])}; {source(b['machine'])})")
