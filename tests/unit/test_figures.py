@@ -318,3 +318,9 @@ def test_tests_md_counts_the_unit_tests_that_the_fast_tier_leaves_out():
     marked = sum(len(re.findall(r"^@pytest\.mark\.slow$|marks=pytest\.mark\.slow\b", path.read_text(), re.M)) for path in files)
     text = " ".join((ROOT / "docs" / "tests.md").read_text().split())
     assert f"every unit test but the {marked} marked `slow`" in text
+
+
+def test_the_readme_stays_under_300_lines():
+    """The README is what a newcomer reads first: under 300 lines, its detail in docs/*.md."""
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines < 300, f"README.md has {lines} lines; move detail into the docs/*.md page it links"
