@@ -100,6 +100,28 @@ def test_a_job_on_every_node_of_its_partition_never_leaves_a_node_out_that_slurm
     assert again.returncode == 0 and submitted, again.stdout + again.stderr
 
 
+def test_the_line_after_end_says_which_node_the_job_left_out_and_runs_as_printed(three_nodes, tmp_path):
+    """A 2-node job whose rank on ftn2 hangs at every start gives up (MAX_RESTARTS=1) just as
+    ftn2 is left out: its line after END excludes ftn2, the next line says the job left it
+    out and how to take it back once repaired, and sbatch accepts the line, run as printed."""
+    args = [*FAST, "--epochs", "2", "--dist-timeout", "10", "--hang-after", "5"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"], args,
+                                RUN_NAME="gaveup", AID_HANG_HOST="ftn2:3", MAX_RESTARTS="1")
+    client.communicate(timeout=400)
+    out = output_of(tmp_path)
+    assert re.search(r"^END .* exit=\d+ gave up after 2 attempts", out, re.M), out[-4000:]
+    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (.*)\n(.*)$", out, re.M)
+    assert line and " --exclude=ftn2 " in line.group(2), out[-3000:]
+    assert line.group(3) == ("--exclude=ftn2 in that line: ftn2 left out by this job (2 failures were pinned on it); "
+                             "every later line keeps ftn2 excluded: take it out of --exclude once it is repaired")
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "bash", "-c", line.group(2)],
+                           cwd=line.group(1), env=three_nodes.env, capture_output=True, text=True, timeout=120)
+    submitted = re.search(r"Submitted batch job (\d+)", again.stdout)
+    if submitted:
+        three_nodes.run("scancel", submitted.group(1))  # (accepted is all this test asks)
+    assert again.returncode == 0 and submitted, again.stdout + again.stderr
+
+
 @contextlib.contextmanager
 def rank_1_node_cut_off(submit_dir: Path, run_name: str):
     """Rank 1's node drops off the network (its link into the cluster's bridge goes down) and
