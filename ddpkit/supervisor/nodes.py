@@ -17,7 +17,7 @@ followed; a node pinned LEAVE_OUT_AFTER times is left out from then on. But a ra
 two different nodes carries its failure with it (rank 0 that deadlocks, or that runs out of
 memory, wherever it runs): the run's own failure, for which no node is left out.
 
-A node left out leaves the job's steps in its allocation at once; beyond it, Slurm keeps
+A node left out leaves the job's next steps where the nodes it holds allow (MIN_NODES); Slurm keeps
 the job off the node (the requeue's ExcNodeList, the --exclude of the line that continues
 the run) only while the job's partition, or its reservation, still has as many usable nodes
 as the job asks for without it (kept_off): else Slurm would hold the job PENDING
@@ -34,8 +34,8 @@ from ddpkit.contract import SCONTROL_TIMEOUT, JobPaths, job_fields, last_line, r
 from ddpkit.supervisor.outcome import Outcome
 
 LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out
-# sinfo's states (%T) of a node Slurm starts no job on until someone acts: down, drained or
-# draining, failed or failing, not valid, not yet in service (the suffixes *~#!%$@^-+ dropped).
+# How sinfo's states (%T) of a node Slurm starts no job on until someone acts begin: down,
+# drained or draining, failed or failing, not valid, not yet in service (whatever suffix, *~#!%$@^-+).
 UNUSABLE = ("down", "drain", "fail", "inval", "future")
 
 class Pin(NamedTuple):
