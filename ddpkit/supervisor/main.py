@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple  # noqa: F401 (Tuple is in a type comment, which ruff does not read)
 
 if __name__ == "__main__" and not __package__:  # run as a file: ddpkit is the parent of its directory's parent
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,9 +57,15 @@ from ddpkit.contract import (
 )
 from ddpkit.supervisor.nodes import (
     Pin,
+    Usable,  # noqa: F401 (in a type comment)
+    cannot_leave_out_line,
+    exclusion_note,
     failure_pins,
+    job_usable,
+    kept_off,
     leave_out_line,
     left_out,
+    left_out_by_jobs,
     of_one_step,
     ranks_on_two_nodes,
     read_lines,
@@ -108,6 +114,9 @@ class Supervisor:
         # This job started again with nodes left out (a requeue that left them out): it is not
         # requeued a second time to leave a node out (each round might leave out another).
         self.left_out_at_start = False
+        # The nodes Slurm may place the job on (nodes.py's Usable, None where Slurm cannot say,
+        # and why), asked once, when a node is first left out.
+        self.usable = None  # type: Optional[Tuple[Optional[Usable], str]]
 
     def start(self) -> None:
         """The ranks' environment, the START and PREFLIGHT lines, the GPU monitor."""
@@ -262,6 +271,11 @@ class Supervisor:
         if leaves_out:
             out = len(nodes) - len(usable)
             lost += f", {count} without the {'node' if out == 1 else 'nodes'} it leaves out"
+        # (a requeue to leave out a node that Slurm could not place the job without would leave it
+        # PENDING for good: the step starts again as it was, while the job holds every node it had)
+        unkept = [node for node in bad_held if node not in self.kept_off()] if not go_on and bad_held else []
+        if unkept and not self.left_out_at_start and int(held.group()) >= s.nodes:
+            return f" with {','.join(unkept)}, which Slurm could not place the job without"
         if not go_on and bad_held and self.left_out_at_start:  # (a second requeue might leave out a healthy node)
             if int(held.group()) >= s.nodes:
                 return f" with {','.join(bad_held)} (not requeued a second time to leave a node out)"
@@ -363,11 +377,31 @@ class Supervisor:
             if rank not in wandering:
                 print(run_failure_line(rank, nodes), flush=True)
         new = [node for node in left_out(pinned) if node not in before]
+        kept = self.kept_off() if new else []
         for node in new:
-            print(leave_out_line(node, pinned[node]), flush=True)
-        if new:
-            self.exclude_in_line(new)
+            usable = self.usable[0] if self.usable else None
+            print(leave_out_line(node, pinned[node]) if node in kept or not usable else
+                  cannot_leave_out_line(node, pinned[node], usable, self.own_excluded() + kept, s.job_nodes), flush=True)
+        if set(new) & set(kept):
+            self.exclude_in_line([node for node in new if node in kept])
         return fields
+
+    def own_excluded(self) -> List[str]:
+        """The nodes the job's own ExcNodeList named as it started (yours, and those a requeue added)."""
+        given = job_fields(self.info).get("ExcNodeList", "")
+        return self.nodes_of(given) if given not in ("", "(null)") else []
+
+    def kept_off(self) -> List[str]:
+        """The nodes left out that Slurm can keep the job off (nodes.py's kept_off): those its
+        requeue and the line that continues the run exclude."""
+        bad = self.left_out()
+        if bad and self.usable is None:
+            fields = dict({"Partition": os.environ.get("SLURM_JOB_PARTITION", "")}, **job_fields(self.info))
+            self.usable = job_usable(fields)
+            if self.usable[0] is None:
+                print(f"could not ask Slurm which nodes Slurm job {self.s.job} may run on ({self.usable[1]}); it leaves "
+                      f"{','.join(bad)} out of its requeue and of the line that continues the run, as before", flush=True)
+        return kept_off(bad, self.usable[0], self.own_excluded(), self.s.job_nodes) if bad and self.usable else []
 
     def exclude_in_line(self, nodes: List[str]) -> None:
         """The line that continues the run excludes `nodes` too: the one the ranks get, and rank
@@ -391,10 +425,10 @@ class Supervisor:
         a pending job alone ("Job is no longer pending execution" before the requeue); the
         SIGTERM with which it ends this job meanwhile is held off (SIGKILL follows KillWait
         seconds later, 30 by default)."""
-        s = self.s
-        if not self.left_out():
+        s, kept = self.s, self.kept_off()
+        if not kept:
             return
-        excluded = with_excluded(self.fields.get("ExcNodeList", ""), self.left_out())
+        excluded = with_excluded(self.fields.get("ExcNodeList", ""), kept)
         try:
             result = run(["scontrol", "update", f"JobId={s.job}", f"ExcNodeList={excluded}"], SCONTROL_TIMEOUT)
             why = (last_line(result.stderr) or f"exit {result.returncode}") if result.returncode != 0 else ""
@@ -416,10 +450,11 @@ class Supervisor:
         before = f" ({self.end_time - int(time.time())} s before the job's time limit)" if self.end_time else ""
 
         held_off = []  # (SIGTERM's handler, while it is held off)
+        kept = self.kept_off()  # (asked before the requeue, after which Slurm soon ends the job)
 
         def about_to_requeue() -> None:
             signal.signal(getattr(signal, "SIG" + s.signal), signal.SIG_DFL)  # (Slurm's own signal now ends this job)
-            if self.left_out():  # (until the nodes left out are excluded, right after the requeue)
+            if kept:  # (until the nodes left out are excluded, right after the requeue)
                 held_off.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))
             try:
                 os.remove(os.path.join(s.run_dir, JobPaths.EXIT_CODE))  # (not "stopped" while the job waits to run again)
@@ -462,8 +497,20 @@ class Supervisor:
             why = "to continue from the last checkpoint with a lower --lr" if status == EXIT_DIVERGED else \
                 "to continue from the newest checkpoint"
             print(f"{why}, from {shlex.quote(submit_dir())}: {line}")
+            self.say_exclusions(line)
         sys.stdout.flush()
         return status
+
+    def say_exclusions(self, line: str) -> None:
+        """After the line that continues the run: which nodes of its --exclude a job of the run
+        left out, which are yours, and how to take one back (nodes.py's exclusion_note)."""
+        try:
+            value = next((word.split("=", 1)[1] for word in shlex.split(line) if word.startswith("--exclude=")), "")
+        except ValueError:
+            value = ""
+        note = exclusion_note(value, self.nodes_of(value), left_out_by_jobs(self.s.run_dir, self.s.job)) if value else ""
+        if note:
+            print(note)
 
     def continue_line(self) -> str:
         """The sbatch line that continues the run: rank 0's, else the options a restart would get."""

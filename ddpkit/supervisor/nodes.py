@@ -15,16 +15,28 @@ The job keeps its pins, across its restarts and requeues, in a file beside its f
 (JobPaths.node_failures: the folder is cleared at each start), each with the ranks it
 followed; a node pinned LEAVE_OUT_AFTER times is left out from then on. But a rank pinned on
 two different nodes carries its failure with it (rank 0 that deadlocks, or that runs out of
-memory, wherever it runs): the run's own failure, for which no node is left out."""
+memory, wherever it runs): the run's own failure, for which no node is left out.
 
+A node left out leaves the job's next steps where the nodes it holds allow (MIN_NODES); Slurm keeps
+the job off the node (the requeue's ExcNodeList, the --exclude of the line that continues
+the run) only while the job's partition, or its reservation, still has as many usable nodes
+as the job asks for without it (kept_off): else Slurm would hold the job PENDING
+(BadConstraints) for good, or refuse the line. Every later job of the run is told which of
+its excluded nodes a job of the run left out, and how to take one back (exclusion_note)."""
+
+import glob
 import os
 import re
-from typing import Dict, List, NamedTuple, Sequence
+import subprocess
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ddpkit.contract import JobPaths, read_hung, read_node_fault
+from ddpkit.contract import SCONTROL_TIMEOUT, JobPaths, job_fields, last_line, read_hung, read_node_fault, run
 from ddpkit.supervisor.outcome import Outcome
 
 LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out
+# How sinfo's states (%T) of a node Slurm starts no job on until someone acts begin: down,
+# drained or draining, failed or failing, not valid, not yet in service (whatever suffix, *~#!%$@^-+).
+UNUSABLE = ("down", "drain", "fail", "inval", "future")
 
 class Pin(NamedTuple):
     """One failure pinned on a node."""
@@ -139,3 +151,104 @@ def with_excluded(excluded: str, nodes: Sequence[str]) -> str:
 def of_one_step(name: str) -> bool:
     """Whether a file of the job's folder tells of one step alone, cleared before the next."""
     return name in (JobPaths.NODES, JobPaths.HUNG) or re.fullmatch(JobPaths.NODE_FAULT.format(r"\d+"), name) is not None
+
+
+# ----------------------------------------------------------------------------- what Slurm can keep the job off
+
+class Usable(NamedTuple):
+    """The nodes of the job's partition (of its reservation, if it has one) Slurm can place it on."""
+    where: str  # "partition gpu", "reservation big (partition gpu)"
+    nodes: List[str]
+
+
+def usable_nodes(listing: str) -> List[str]:
+    """The nodes of `sinfo --Node --format='%N %T'`'s listing (a node and its state a line) that
+    Slurm starts a job on: not down, drained or failed (UNUSABLE); busy ones count."""
+    usable = []  # type: List[str]
+    for line in listing.splitlines():
+        node, _, state = line.strip().partition(" ")
+        if node and node not in usable and not state.strip().lower().startswith(UNUSABLE):
+            usable.append(node)
+    return usable
+
+
+def ask_usable(partition: str, reservation: str) -> Usable:
+    """Ask Slurm for the usable nodes of `partition`, within `reservation`'s where the job has
+    one: the one query of them. OSError (or SubprocessError) when Slurm cannot say."""
+    where, command = "partition " + partition, ["sinfo", "--noheader", "--Node", "--partition=" + partition]
+    if reservation:
+        shown = run(["scontrol", "show", "reservation", "--oneliner", reservation], SCONTROL_TIMEOUT)
+        nodes = job_fields(shown.stdout).get("Nodes", "")
+        if shown.returncode != 0 or not nodes:
+            raise OSError("scontrol show reservation: " + (last_line(shown.stderr) or f"no nodes for {reservation}"))
+        where, command = f"reservation {reservation} ({where})", command + ["--nodes=" + nodes]
+    result = run(command + ["--format=%N %T"], SCONTROL_TIMEOUT)
+    if result.returncode != 0:
+        raise OSError("sinfo: " + (last_line(result.stderr) or f"exit {result.returncode}"))
+    return Usable(where, usable_nodes(result.stdout))
+
+
+def job_usable(fields: Dict[str, str]) -> Tuple[Optional[Usable], str]:
+    """ask_usable for the job whose scontrol fields are `fields`: (None, why) where Slurm cannot say."""
+    partition, reservation = fields.get("Partition", ""), fields.get("Reservation", "")
+    if not partition:
+        return None, "its partition is unknown"
+    try:
+        return ask_usable(partition, "" if reservation == "(null)" else reservation), ""
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, str(err)
+
+
+def kept_off(left: Sequence[str], usable: Optional[Usable], excluded: Sequence[str], count: int) -> List[str]:
+    """Which nodes of `left` (left out, in that order) Slurm can keep a job of `count` nodes off,
+    with `excluded` (its own ExcNodeList): each while the usable nodes left without it and those
+    before it still number `count`. Every one where Slurm cannot say (usable None): as before."""
+    if usable is None:
+        return list(left)
+    kept = []  # type: List[str]
+    for node in left:
+        if len([n for n in usable.nodes if n not in excluded and n not in kept and n != node]) >= count:
+            kept.append(node)
+    return kept
+
+
+def cannot_leave_out_line(node: str, failures: List[Pin], usable: Usable, excluded: Sequence[str], count: int) -> str:
+    """The one line that says a node left out cannot be kept off by Slurm, and why (the counts)."""
+    without = len([n for n in usable.nodes if n != node and n not in excluded])
+    also = " and the nodes the job excludes" if any(n in usable.nodes for n in excluded if n != node) else ""
+    return (f"cannot leave {node} out: {len(failures)} failures were pinned on it ({'; '.join(pin.why for pin in failures)}), "
+            f"but {usable.where} has {len(usable.nodes)} usable nodes, {without} without {node}{also}, and the job "
+            f"asks for {count}: Slurm could not place it without {node}, so neither a requeue nor the line that "
+            f"continues the run excludes it")
+
+
+def left_out_by_jobs(run_dir: str, this_job: str) -> Dict[str, str]:
+    """The nodes a job of the run left out, from each job's record (JobPaths.node_failures):
+    node -> by whom and why, as "job 12 of this run (2 failures were pinned on it)" (or "this
+    job (...)", for `this_job`)."""
+    found = {}  # type: Dict[str, str]
+    prefix = JobPaths.NODE_FAILURES.format("")
+    paths = glob.glob(os.path.join(glob.escape(os.path.join(run_dir, JobPaths.JOB_DIRS)), prefix + "*"))
+    jobs = sorted((os.path.basename(path)[len(prefix):], path) for path in paths)
+    for job, path in sorted(jobs, key=lambda found_job: (len(found_job[0]), found_job[0])):  # (job 9 before job 10)
+        pins = read_pins(path)
+        for node in left_out(pins):
+            by = "this job" if job == this_job else f"job {job} of this run"
+            found.setdefault(node, f"{by} ({len(pins[node])} failures were pinned on it)")
+    return found
+
+
+def exclusion_note(value: str, excluded: Sequence[str], by_jobs: Dict[str, str]) -> str:
+    """The line after the line that continues the run, on its --exclude=`value` (the nodes
+    `excluded`): which nodes a job of the run left out (`by_jobs`), which are yours, and how
+    to take a node back once repaired. "" where none was left out by a job."""
+    ours = [node for node in excluded if node in by_jobs]
+    if not ours:
+        return ""
+    yours = [node for node in excluded if node not in by_jobs]
+    said = ", ".join(f"{node} left out by {by_jobs[node]}" for node in ours)
+    own = f", {','.join(yours)} yours" if yours else ""
+    them = ",".join(ours)
+    return (f"--exclude={value} in that line: {said}{own}; every later line keeps {them} excluded: take "
+            f"{'it' if len(ours) == 1 else 'each'} out of --exclude once {'it is' if len(ours) == 1 else 'they are'} "
+            "repaired")

@@ -20,12 +20,16 @@ import pytest
 from ddpkit.contract import JobEnv, JobPaths
 from ddpkit.supervisor.nodes import (
     Pin,
+    Usable,
+    cannot_leave_out_line,
     failure_pins,
+    kept_off,
     leave_out_line,
     left_out,
     ranks_on_two_nodes,
     read_pins,
     record_pins,
+    usable_nodes,
     with_excluded,
 )
 from ddpkit.supervisor.outcome import Outcome
@@ -86,17 +90,19 @@ def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder
 
 # ----------------------------------------------------------------------------- the supervisor with them
 
-def supervised_job(tmp_path: Path, steps: list, nodes: list, excluded: str = "(null)", **env: str
+def supervised_job(tmp_path: Path, steps: list, nodes: list, excluded: str = "(null)", shown: str = "", **env: str
                    ) -> subprocess.CompletedProcess:
     """The supervisor, as run_training.sbatch hands over to it, in a job of one rank on each of
     `nodes`, its project a copy in tmp_path/project. Stand-ins on its PATH: srun records its
     options (srun.log, a line a step) and runs the next of `steps` (shell lines that leave the
     ranks' files in the job's folder, $EXITS, and exit as srun would); scontrol shows the job as
-    `nodes` and `excluded` say (its line, with NumNodes, NodeList and ExcNodeList), lists a node list's
-    nodes (comma-separated here), records each command (scontrol.log) and refuses every
-    requeue, unless tmp_path/requeue-accepted exists: then it ends the supervisor as Slurm
-    would, with SIGTERM and, 3 s later, SIGKILL; PYTHON answers the supervisor's check that
-    it imports torch."""
+    `nodes` and `excluded` say (its line, with NumNodes, NodeList and ExcNodeList, and `shown`), lists a
+    node list's nodes (comma-separated here), shows the reservation tmp_path/reservation
+    holds, records each command (scontrol.log) and refuses every requeue, unless
+    tmp_path/requeue-accepted exists: then it ends the supervisor as Slurm would, with SIGTERM
+    and, 3 s later, SIGKILL; sinfo lists the partition's nodes and their states, those of
+    tmp_path/partition (n1 to n4, idle, unless a test writes it), those of --nodes alone;
+    PYTHON answers the supervisor's check that it imports torch."""
     project, tools = tmp_path / "project", tmp_path / "bin"
     if not project.exists():
         stand_in_project(project, tools)
@@ -112,20 +118,28 @@ echo "$*" >> {tmp_path}/scontrol.log
 case "$1 $2" in
   "show job") cat {tmp_path}/shows ;;
   "show hostnames") echo "$3" | tr , '\\n' ;;
+  "show reservation") cat {tmp_path}/reservation ;;
   "update "*) ;;
   "requeue "*) if [ -f {tmp_path}/requeue-accepted ]; then  # (then Slurm ends the job: SIGTERM, and SIGKILL later)
       kill -TERM $PPID; (sleep 3; kill -KILL $PPID) >/dev/null 2>&1 & exit 0; fi
     echo "scontrol: error: Requested operation is presently disabled for job $2" >&2; exit 1 ;;
 esac
 """)
+        (tools / "sinfo").write_text(f"""#!/bin/bash
+echo "$*" >> {tmp_path}/sinfo.log
+[ -f {tmp_path}/partition ] || printf 'n1 idle\\nn2 idle\\nn3 idle\\nn4 idle\\n' > {tmp_path}/partition
+nodes=$(printf '%s\\n' "$@" | sed -n 's/^--nodes=//p')
+if [ -n "$nodes" ]; then grep -E "^(${{nodes//,/|}}) " {tmp_path}/partition; else cat {tmp_path}/partition; fi
+""")
         (tools / "python").write_text("#!/bin/sh\necho python=here torch=2\n")
         for tool in tools.iterdir():
             tool.chmod(0o755)
     for n, step in enumerate(steps, 1):
         (tmp_path / f"step-{n}").write_text(step)
-    for log in ("srun.log", "scontrol.log"):
+    for log in ("srun.log", "scontrol.log", "sinfo.log"):
         (tmp_path / log).unlink(missing_ok=True)
-    (tmp_path / "shows").write_text(f"{LINE} NumNodes={len(nodes)} NodeList={','.join(nodes)} ExcNodeList={excluded}\n")
+    (tmp_path / "shows").write_text(f"{LINE} NumNodes={len(nodes)} NodeList={','.join(nodes)} ExcNodeList={excluded} "
+                                    f"{shown}\n")
     job = {"SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_NTASKS": str(len(nodes)),
            "SLURM_JOB_NUM_NODES": str(len(nodes)), "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": ",".join(nodes),
            "MASTER_ADDR": "127.0.0.1", "PYTHON": str(tools / "python"), **env}
@@ -193,9 +207,10 @@ def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_li
     assert printed(result, "requeueing Slurm job 77 after exit 4: the job holds 2 of its 2 nodes (n1,n2), 1 without the node "
                            "it leaves out, fewer than MIN_NODES=2 (unset: every node of the job); it resumes")
     assert_quoted_whole("docs/recovery.md", printed(result, "requeueing")[0])
-    end = result.stdout.splitlines()[-1]
+    end, note = result.stdout.splitlines()[-2:]
     assert end.startswith("to continue from the newest checkpoint, from ") and \
         " --exclude=n2 " in end and end.endswith("run_training.sbatch --epochs 3"), end
+    assert note.startswith("--exclude=n2 in that line: n2 left out by this job (2 failures were pinned on it); "), note
     requeued = supervised_job(tmp_path, [step(["n1", "n3"], {0: 4}, 4, hung="1 n3"),
                                          step(["n1", "n3"], {}, 0, then=f'echo "${JobEnv.RESUBMIT}" > {tmp_path}/line')],
                               ["n1", "n3"], excluded="n2", SLURM_RESTART_COUNT="1")
@@ -266,7 +281,7 @@ def test_a_job_is_requeued_once_to_leave_a_node_out_never_twice(tmp_path):
     assert printed(result, "ATTEMPT 3/3")[0].endswith(" with n3 (not requeued a second time to leave a node out); it "
                                                       "resumes from the newest checkpoint")
     assert "gave up after 3 attempts" in printed(result, "END")[0]
-    assert " --exclude=n2,n3 " in result.stdout.splitlines()[-1]
+    assert " --exclude=n2,n3 " in printed(result, "to continue")[0]
 
 
 def test_a_requeued_job_leaves_its_nodes_out_from_its_first_step(tmp_path):
@@ -332,3 +347,86 @@ def test_a_node_name_outside_the_jobs_node_list_is_never_pinned(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "leaving" not in result.stdout and "c9b2e" not in (tmp_path / "srun.log").read_text()
     assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+
+
+# ----------------------------------------------------------------------------- what Slurm can keep the job off
+
+def test_a_node_is_kept_off_only_while_the_partition_has_enough_usable_nodes_without_it():
+    """sinfo's usable nodes (busy ones count, down, drained and failed ones not); each node left
+    out is kept off while the nodes left, less the job's own ExcNodeList, still number the job's
+    nodes; where Slurm cannot say, every one as before."""
+    listing = "n1 allocated\nn2 mixed\nn3 idle*\nn4 down*\nn5 drained\nn6 draining\nn7 fail\nn1 allocated\n"
+    assert usable_nodes(listing) == ["n1", "n2", "n3"]
+    usable = Usable("partition gpu", ["n1", "n2", "n3", "n4"])
+    assert kept_off(["n2"], usable, [], 3) == ["n2"]
+    assert kept_off(["n2"], usable, [], 4) == []
+    assert kept_off(["n2"], usable, ["n4"], 3) == []  # (yours count)
+    assert kept_off(["n2", "n3"], usable, [], 2) == ["n2", "n3"] and kept_off(["n2", "n3"], usable, [], 3) == ["n2"]
+    assert kept_off(["n2"], None, [], 4) == ["n2"]
+    pins = [Pin("1", "a hang report named rank 1 on it")] * 2
+    assert cannot_leave_out_line("n2", pins, usable, ["n4"], 3) == (
+        "cannot leave n2 out: 2 failures were pinned on it (a hang report named rank 1 on it; a hang report named rank 1 "
+        "on it), but partition gpu has 4 usable nodes, 2 without n2 and the nodes the job excludes, and the job asks for "
+        "3: Slurm could not place it without n2, so neither a requeue nor the line that continues the run excludes it")
+
+
+@pytest.mark.parametrize("partition, reservation, where", [
+    ("n1 idle\nn2 idle\nn3 idle\n", "", "partition gpu has 3 usable nodes, 2 without n2"),
+    ("n1 idle\nn2 idle\nn3 idle\nn4 drained\n", "", "partition gpu has 3 usable nodes, 2 without n2"),
+    ("n1 idle\nn2 idle\nn3 idle\nn4 idle\n", "n1,n2,n3", "reservation big (partition gpu) has 3 usable nodes, 2 without n2"),
+], ids=["partition", "partition with a drained node", "reservation"])
+def test_a_job_on_every_usable_node_starts_again_on_them_and_its_line_excludes_none(tmp_path, partition, reservation,
+                                                                                   where):
+    """3 nodes of a partition (or reservation) of 3 usable ones; n2 hangs at every start. Once
+    two failures are pinned on n2, a requeue without it would leave the job PENDING for good:
+    one line says n2 cannot be left out and why; the job is not requeued, but starts again
+    on the same nodes until MAX_RESTARTS, and the line after END excludes nothing."""
+    nodes = ["n1", "n2", "n3"]
+    (tmp_path / "partition").write_text(partition)
+    (tmp_path / "reservation").write_text(f"ReservationName=big Nodes={reservation} NodeCnt=3\n")
+    (tmp_path / "requeue-accepted").touch()  # (a requeue would end the supervisor: exit -9)
+    hang = step(nodes, {0: 4, 2: 4}, 4, hung="1 n2")
+    result = supervised_job(tmp_path, [hang] * 3, nodes, shown=f"Reservation={reservation and 'big' or '(null)'}",
+                            MAX_RESTARTS="2")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "requeue" not in (tmp_path / "scontrol.log").read_text() and "leaving" not in result.stdout
+    [cannot] = printed(result, "cannot leave n2 out: 2 failures were pinned on it (")
+    assert f"), but {where}, and the job asks for 3: Slurm could not place it without n2, " in cannot, cannot
+    assert (tmp_path / "srun.log").read_text().splitlines() == ["--label --kill-on-bad-exit=1"] * 3
+    assert printed(result, "ATTEMPT 3/3")[0].endswith(
+        ": starting the step again in this allocation with n2, which Slurm could not place the job without; it resumes "
+        "from the newest checkpoint")
+    assert "gave up after 3 attempts" in printed(result, "END")[0]
+    assert "--exclude" not in result.stdout.splitlines()[-1]
+
+
+def test_where_slurm_cannot_say_which_nodes_are_usable_the_node_is_left_out_as_before(tmp_path):
+    """sinfo fails: one line says so, and the job leaves n2 out as before (requeued without it)."""
+    nodes = ["n1", "n2"]
+    hang = step(nodes, {0: 4}, 4, hung="1 n2")
+    supervised_job(tmp_path, [], nodes)  # (makes the stand-ins)
+    (tmp_path / "bin" / "sinfo").write_text("#!/bin/sh\necho 'sinfo: error: Unable to contact slurm controller' >&2\n"
+                                            "exit 1\n")
+    result = supervised_job(tmp_path, [hang, hang], nodes)
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert printed(result, "could not ask Slurm which nodes Slurm job 77 may run on (sinfo: sinfo: error: Unable to "
+                           "contact slurm controller); it leaves n2 out of its requeue and of the line that continues the "
+                           "run, as before")
+    assert len(printed(result, "leaving n2 out")) == 1 and " --exclude=n2 " in printed(result, "to continue")[0]
+
+
+def test_the_line_after_end_says_which_excluded_nodes_a_job_of_the_run_left_out_and_how_to_take_one_back(tmp_path):
+    """A job submitted with the line that job 12 printed (--exclude=n2, which job 12 left out,
+    and n5, the user's own): its line after END still excludes both, and the next line says
+    which is which, and how to take n2 back once repaired."""
+    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "12"))
+    record.parent.mkdir(parents=True)
+    record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2
+                      + "n3\t2\tattempt 2, exit 4: a hang report named rank 2 on it\n")
+    nodes = ["n1", "n3"]
+    result = supervised_job(tmp_path, [step(nodes, {0: 4}, 4)], nodes, excluded="n2,n5", MAX_RESTARTS="0")
+    assert result.returncode == 4, result.stdout + result.stderr
+    line, note = result.stdout.splitlines()[-2:]
+    assert " --exclude=n2,n5 " in line, line
+    assert note == ("--exclude=n2,n5 in that line: n2 left out by job 12 of this run (2 failures were pinned on it), n5 "
+                    "yours; every later line keeps n2 excluded: take it out of --exclude once it is repaired")

@@ -62,6 +62,66 @@ def test_a_job_leaves_out_a_node_that_hangs_at_every_start_and_finishes_on_the_o
     assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "sick")] == [1, 2]
 
 
+def test_a_job_on_every_node_of_its_partition_never_leaves_a_node_out_that_slurm_cannot_place_it_without(three_nodes,
+                                                                                                         tmp_path):
+    """A 3-node job on the 3-node partition whose rank on ftn2 hangs at every start: after the
+    second failure pinned on ftn2, leaving it out would requeue the job where Slurm can never
+    place it (PENDING, BadConstraints, for good). One line says the job cannot leave ftn2 out,
+    naming the partition and its counts; the step starts again on the same nodes until
+    MAX_RESTARTS, then the END line and a line that continues the run without --exclude=ftn2,
+    which sbatch accepts, run as printed."""
+    args = [*FAST, "--epochs", "2", "--dist-timeout", "10", "--hang-after", "5"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"], args,
+                                RUN_NAME="everynode", AID_HANG_HOST="ftn2:3", MAX_RESTARTS="2")
+    wait_for(tmp_path, r"^START .* restart=0 nodes=ftn\[1-3\] ")
+    job_id = next(tmp_path.glob("mnist-ddp-*.out")).name.removeprefix("mnist-ddp-").removesuffix(".out")
+    try:
+        wait_for(tmp_path, r"^(cannot leave ftn2 out|requeueing Slurm job)", timeout=300)
+        assert "requeueing" not in output_of(tmp_path), output_of(tmp_path)[-4000:]  # (else PENDING for good)
+        client.communicate(timeout=400)
+    finally:
+        three_nodes.run("scancel", job_id)  # (a job left PENDING for good would hold the next tests' cluster)
+    out = output_of(tmp_path)
+    cannot = re.findall(r"^cannot leave ftn2 out.*$", out, re.M)
+    print("\n" + "\n".join(cannot))
+    assert len(cannot) == 1 and re.search(r", but partition local has 3 usable nodes, 2 without ftn2, and the job asks for "
+                                          r"3", cannot[0]), out[-4000:]
+    assert "requeueing" not in out and not re.search(r"^START .* restart=1 ", out, re.M)
+    assert re.search(r"^ATTEMPT 3/3 after exit \d+ .* with ftn2, which Slurm could not place the job without; ", out, re.M), out[-4000:]
+    assert re.search(rf"^END .* job={job_id} exit=\d+ gave up after 3 attempts", out, re.M), out[-4000:]
+    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (.*)$", out, re.M)
+    assert line and "--exclude" not in line.group(2), out[-2000:]
+    # As printed, through a shell, in the directory it names: sbatch accepts it (the job is cancelled at once).
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "bash", "-c", line.group(2)],
+                           cwd=line.group(1), env=three_nodes.env, capture_output=True, text=True, timeout=120)
+    submitted = re.search(r"Submitted batch job (\d+)", again.stdout)
+    if submitted:
+        three_nodes.run("scancel", submitted.group(1))
+    assert again.returncode == 0 and submitted, again.stdout + again.stderr
+
+
+def test_the_line_after_end_says_which_node_the_job_left_out_and_runs_as_printed(three_nodes, tmp_path):
+    """A 2-node job whose rank on ftn2 hangs at every start gives up (MAX_RESTARTS=1) just as
+    ftn2 is left out: its line after END excludes ftn2, the next line says the job left it
+    out and how to take it back once repaired, and sbatch accepts the line, run as printed."""
+    args = [*FAST, "--epochs", "2", "--dist-timeout", "10", "--hang-after", "5"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"], args,
+                                RUN_NAME="gaveup", AID_HANG_HOST="ftn2:3", MAX_RESTARTS="1")
+    client.communicate(timeout=400)
+    out = output_of(tmp_path)
+    assert re.search(r"^END .* exit=\d+ gave up after 2 attempts", out, re.M), out[-4000:]
+    line = re.search(r"^to continue from the newest checkpoint, from (\S+): (.*)\n(.*)$", out, re.M)
+    assert line and " --exclude=ftn2 " in line.group(2), out[-3000:]
+    assert line.group(3) == ("--exclude=ftn2 in that line: ftn2 left out by this job (2 failures were pinned on it); "
+                             "every later line keeps ftn2 excluded: take it out of --exclude once it is repaired")
+    again = subprocess.run([str(LOCAL_SLURM), "exec", str(three_nodes.dir), "bash", "-c", line.group(2)],
+                           cwd=line.group(1), env=three_nodes.env, capture_output=True, text=True, timeout=120)
+    submitted = re.search(r"Submitted batch job (\d+)", again.stdout)
+    if submitted:
+        three_nodes.run("scancel", submitted.group(1))  # (accepted is all this test asks)
+    assert again.returncode == 0 and submitted, again.stdout + again.stderr
+
+
 @contextlib.contextmanager
 def rank_1_node_cut_off(submit_dir: Path, run_name: str):
     """Rank 1's node drops off the network (its link into the cluster's bridge goes down) and
