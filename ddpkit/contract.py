@@ -78,6 +78,7 @@ class JobEnv:
     JOB_INFO = "MNIST_DDP_JOB_INFO"              # the job's `scontrol show job -o` line, for rank 0's time limit
     JOB_TIMES = "MNIST_DDP_JOB_TIMES"            # its start and end in Unix seconds, "START END" (scontrol prints local time)
     RESUBMIT = "MNIST_DDP_RESUBMIT"              # the beginning of the sbatch line that continues the run
+    CHAIN = "MNIST_DDP_CHAIN"                    # CHAIN: the jobs it may still chain where Slurm does not requeue a stop
     SIDES = {  # name: (who writes it, who reads it)
         "EXIT_DIR": ("supervisor", "ranks"),
         "ATTEMPT": ("supervisor", "ranks"),
@@ -85,6 +86,7 @@ class JobEnv:
         "JOB_INFO": ("supervisor", "ranks"),
         "JOB_TIMES": ("supervisor", "ranks"),
         "RESUBMIT": ("supervisor", "ranks"),
+        "CHAIN": ("supervisor", "ranks"),
     }
 
 

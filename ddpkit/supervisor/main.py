@@ -189,6 +189,7 @@ class Supervisor:
         # Rank 0 leaves JobPaths.REQUEUE when the ranks stopped on a signal that asks for a
         # requeue; the supervisor then requeues the job, on the host (a container may have no scontrol).
         env[JobEnv.REQUEUE_SIGNAL] = s.signal
+        env[JobEnv.CHAIN] = str(s.chain)  # (where Slurm does not requeue, rank 0's time estimate counts on the chain)
         # The job's times as scontrol gave them, for rank 0's stop before the time limit; in Unix
         # seconds too (scontrol prints local time, and a container's time zone may differ).
         env.pop(JobEnv.JOB_TIMES, None)

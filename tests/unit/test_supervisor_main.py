@@ -267,10 +267,12 @@ CONTINUED_BY_1234 = "nothing to submit: Slurm job 1234 already continues the run
 def ranks_leave(tmp_path: Path, codes: str, continue_line: str = "", requeue: bool = True) -> None:
     """What the ranks leave in the job's folder as the stand-in srun ends: each rank's code, the
     requeue file (a stop on SIGUSR1 asks for a requeue; one on SIGTERM or Ctrl-C, or no stop,
-    for none: `requeue`) and rank 0's line that continues the run."""
+    for none: `requeue`) and rank 0's line that continues the run; it records the CHAIN the
+    ranks were given (ranks-chain)."""
     folder = f'"${JobEnv.EXIT_DIR}"'
     leaves = [f"mkdir -p {folder}"]
     leaves += [f"echo {code} > {folder}/{JobPaths.RANK_CODE.format(rank)}" for rank, code in enumerate(codes.split())]
+    leaves.append(f'echo "${JobEnv.CHAIN}" > {tmp_path}/ranks-chain')  # (what CHAIN rank 0's time estimate counts on)
     if requeue:
         leaves.append(f"echo SIGUSR1 > {folder}/{JobPaths.REQUEUE}")
     if continue_line:
@@ -284,7 +286,8 @@ def sbatch_calls(tmp_path: Path) -> list:
 
 def test_a_stop_slurm_does_not_requeue_is_continued_by_a_chained_job_and_never_by_two(tmp_path):
     """CHAIN=2, a job Slurm may not requeue, stopped on SIGUSR1: the supervisor submits rank 0's
-    line that continues the run, with CHAIN=1, as a job that waits for this one to end; says so
+    line that continues the run, with CHAIN=1, as a job that waits for this one to end (the
+    ranks were told CHAIN, which rank 0's time estimate counts on); says so
     in one line with its id, and on the END line (exit 75); records its id in the run
     directory; and after END says that job continues the run, not the line it was submitted
     with (run again, that line would queue a second job for the run). While that job is
@@ -313,7 +316,7 @@ def test_a_stop_slurm_does_not_requeue_is_continued_by_a_chained_job_and_never_b
     assert "run_training.sbatch --epochs" not in result.stdout  # (no line to run: it would queue a second job)
     assert "Slurm job 77 may not be requeued (it was submitted without --requeue)" in lines
     record = runs / "job-77" / JobPaths.CHAINED_JOB
-    assert record.read_text() == "1234\n"
+    assert record.read_text() == "1234\n" and (tmp_path / "ranks-chain").read_text() == "2\n"
 
     for done in ("sbatch-args", "srun.log"):
         (tmp_path / done).unlink()
