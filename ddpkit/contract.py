@@ -97,6 +97,13 @@ def resubmit_start() -> str:
     return os.environ.get(JobEnv.RESUBMIT, "")
 
 
+def chains_left(env: Mapping[str, str]) -> int:
+    """Under run_training.sbatch, the jobs its CHAIN may still submit to continue the run where
+    Slurm does not requeue a stop that asked for it (JobEnv.CHAIN); 0 elsewhere."""
+    value = env.get(JobEnv.CHAIN, "")
+    return int(value) if value.isdigit() else 0
+
+
 def run_name_setting() -> str:
     """How advice names another run: --run-name, or in a job of run_training.sbatch (which
     reads RUN_NAME and refuses --run-name after its file name) RUN_NAME."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ddpkit.contract import JobEnv, job_fields, requeue_allowed, show_job, unix_time
+from ddpkit.contract import JobEnv, chains_left, job_fields, requeue_allowed, show_job, unix_time
 
 # Seconds left for what follows the stop when nothing slower was measured: the step in
 # flight, the save, the ranks' exit and the requeue, with room for a busy file system.
@@ -75,8 +75,7 @@ def read_job_times(env: Mapping[str, str], job_id: str) -> JobTimes | None:
     text = info.splitlines()[0] if info.strip() else ""
     # Unix seconds win over the line's times, which a site's SLURM_TIME_FORMAT may change.
     times = job_times(job_fields(text), *given) if given else times_from_job_info(text)
-    chain = env.get(JobEnv.CHAIN, "")
-    return replace(times, chain=int(chain)) if times and chain.isdigit() else times
+    return replace(times, chain=chains_left(env)) if times else None
 
 
 def duration(seconds: float) -> str:
