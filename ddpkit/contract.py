@@ -78,6 +78,7 @@ class JobEnv:
     JOB_INFO = "MNIST_DDP_JOB_INFO"              # the job's `scontrol show job -o` line, for rank 0's time limit
     JOB_TIMES = "MNIST_DDP_JOB_TIMES"            # its start and end in Unix seconds, "START END" (scontrol prints local time)
     RESUBMIT = "MNIST_DDP_RESUBMIT"              # the beginning of the sbatch line that continues the run
+    CHAIN = "MNIST_DDP_CHAIN"                    # CHAIN: the jobs it may still chain where Slurm does not requeue a stop
     SIDES = {  # name: (who writes it, who reads it)
         "EXIT_DIR": ("supervisor", "ranks"),
         "ATTEMPT": ("supervisor", "ranks"),
@@ -85,6 +86,7 @@ class JobEnv:
         "JOB_INFO": ("supervisor", "ranks"),
         "JOB_TIMES": ("supervisor", "ranks"),
         "RESUBMIT": ("supervisor", "ranks"),
+        "CHAIN": ("supervisor", "ranks"),
     }
 
 
@@ -93,6 +95,13 @@ def resubmit_start() -> str:
     settings, the job's request, the batch file), which the ranks end with the run's
     options; "" elsewhere."""
     return os.environ.get(JobEnv.RESUBMIT, "")
+
+
+def chains_left(env: Mapping[str, str]) -> int:
+    """Under run_training.sbatch, the jobs its CHAIN may still submit to continue the run where
+    Slurm does not requeue a stop that asked for it (JobEnv.CHAIN); 0 elsewhere."""
+    value = env.get(JobEnv.CHAIN, "")
+    return int(value) if value.isdigit() else 0
 
 
 def run_name_setting() -> str:

@@ -38,6 +38,7 @@ from ddpkit.contract import (
     FIRST_START_ONLY,
     JobEnv,
     JobPaths,
+    chains_left,
     hung_text,
     requeue_job,
     resubmit_start,
@@ -369,20 +370,24 @@ class Job:
         # ends every process here. Under run_training.sbatch the job's supervisor requeues
         # the job once the step has ended, on the host: in a container, scontrol may be missing.
         requeue_signal = os.environ.get(JobEnv.REQUEUE_SIGNAL)  # (the supervisor's SIGNAL)
+        chains = False  # the supervisor requeues the job or, where Slurm does not, chains the one that continues it
         if rt.is_main and requeue_signal:
             # Its SIGNAL (USR1 by default) and the time limit ask for a requeue; another
             # signal (scancel's SIGTERM) only stops.
             why = signal.Signals(stop.received).name if stop.received else "the time limit came near" if stop.time_up else ""
             if why in ("SIG" + requeue_signal, "the time limit came near"):
-                with contextlib.suppress(OSError):  # (then the supervisor prints the continue line)
+                with contextlib.suppress(OSError):  # (else the supervisor prints the continue line)
                     write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
-                print("run_training.sbatch requeues the job when this step has ended; where it cannot, the line below "
-                      "continues the run", flush=True)
+                    chains = chains_left(os.environ) > 0
+                then = f"it chains the job that continues the run (CHAIN={chains_left(os.environ)})" if chains else \
+                    "the line below continues the run"
+                print(f"run_training.sbatch requeues the job when this step has ended; where it cannot, {then}",
+                      flush=True)
         requeue_here = rt.is_main and not requeue_signal and stop.received != signal.SIGINT
         if requeue_here and self.launch.job_id:
             self.logger.close(EXIT_STOPPED)  # (a requeue that succeeds ends every process here: the tracker first)
         requeued = requeue_here and requeue_slurm_job(self.launch)
-        if rt.is_main and not requeued:
+        if rt.is_main and not requeued and not chains:  # (run again, a line would queue a second job for the run)
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")
         return EXIT_STOPPED

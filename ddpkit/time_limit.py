@@ -1,6 +1,6 @@
 """The job's time limit: when Slurm ends this job, the stop --stop-before minutes ahead of it
 (a checkpoint, then a requeue, with or without a --signal from Slurm), and whether the run
-fits in the time that is left.
+fits in the time that is left, or how many requeues (or jobs chained by CHAIN) it takes.
 
 The end time comes from SLURM_JOB_END_TIME where Slurm sets it (23.02 and later); else
 from `scontrol show job`, which the job's supervisor (ddpkit/supervisor/) runs once on the
@@ -17,9 +17,9 @@ Standard library only, like launch.py."""
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ddpkit.contract import JobEnv, job_fields, requeue_allowed, show_job, unix_time
+from ddpkit.contract import JobEnv, chains_left, job_fields, requeue_allowed, show_job, unix_time
 
 # Seconds left for what follows the stop when nothing slower was measured: the step in
 # flight, the save, the ranks' exit and the requeue, with room for a busy file system.
@@ -33,6 +33,7 @@ class JobTimes:
     start: float
     end: float
     requeue: bool | None = None  # whether Slurm may requeue it (--requeue); None: not known
+    chain: int = 0  # where Slurm does not, the jobs run_training.sbatch's CHAIN may still submit to continue the run
 
     @property
     def limit(self) -> float:
@@ -62,7 +63,8 @@ def unix_times(text: str) -> tuple[float, float] | None:
 
 def read_job_times(env: Mapping[str, str], job_id: str) -> JobTimes | None:
     """This job's times, or None outside Slurm, for a job without a time limit, or when
-    scontrol cannot say (it is asked once, by the contract's show_job)."""
+    scontrol cannot say (it is asked once, by the contract's show_job); with the CHAIN the
+    job's supervisor passed on."""
     if not job_id:
         return None
     info = env.get(JobEnv.JOB_INFO, "")
@@ -71,10 +73,9 @@ def read_job_times(env: Mapping[str, str], job_id: str) -> JobTimes | None:
     if not info:  # (with Slurm's own times too: only the line says whether the job may be requeued)
         info = show_job(job_id)
     text = info.splitlines()[0] if info.strip() else ""
-    if not given:
-        return times_from_job_info(text)
     # Unix seconds win over the line's times, which a site's SLURM_TIME_FORMAT may change.
-    return job_times(job_fields(text), *given)
+    times = job_times(job_fields(text), *given) if given else times_from_job_info(text)
+    return replace(times, chain=chains_left(env)) if times else None
 
 
 def duration(seconds: float) -> str:
@@ -149,6 +150,18 @@ class TimeLimit:
         return (f"Slurm ends this job in {duration(left)}: it saves and stops {duration(margin)} before that "
                 f"(--stop-before {'auto' if self.fixed is None else f'{self.fixed / 60:g}'}), if no signal comes first")
 
+    def chain_said(self, jobs: int) -> str:
+        """What continues a job that Slurm does not requeue, which `jobs` more jobs would finish:
+        the line it prints, or the jobs CHAIN submits, as many as it may."""
+        chain = self.times.chain if self.times else 0
+        if not chain:
+            return " (the line it prints continues it)"
+        if jobs <= chain:
+            return f": it chains the job that continues it, about {jobs} more job{'s' if jobs > 1 else ''} (CHAIN={chain})"
+        return (f": it chains the job that continues it, {chain} more job{'s' if chain > 1 else ''} (CHAIN={chain}) of "
+                f"the about {jobs} it takes: the last prints the line that continues the run, and CHAIN={jobs} would "
+                "chain them all")
+
     def fit_line(self, seconds_per_step: float, steps_left: int) -> str:
         """After the first epoch: the time the rest of the run needs at this speed (evaluations
         and checkpoints included), and whether it fits in what is left of the job."""
@@ -164,9 +177,9 @@ class TimeLimit:
         head = f"needs about {duration(needed)} at this speed, the job ends in {duration(left)}"
         if per_job <= 0:
             return f"{head}: its time limit leaves no time to train after start-up; --time={in_one} would do it in one"
+        requeues = math.ceil((needed - max(0.0, left - margin)) / per_job)  # (or jobs chained)
         if not self.times.requeue:  # (not known to be requeued: a requeue must not be promised)
-            return (f"{head}: it saves and stops {duration(margin)} before the end, and is not requeued (the line it "
-                    f"prints continues it); --time={in_one} would do it in one")
-        requeues = math.ceil((needed - max(0.0, left - margin)) / per_job)
+            head += f": it saves and stops {duration(margin)} before the end, and is not requeued"
+            return f"{head}{self.chain_said(requeues)}; --time={in_one} would do it in one"
         return (f"{head}: it will be requeued about {'once' if requeues == 1 else f'{requeues} times'}; "
                 f"--time={in_one} would do it in one")

@@ -198,6 +198,7 @@ class Supervisor:
         # Rank 0 leaves JobPaths.REQUEUE when the ranks stopped on a signal that asks for a
         # requeue; the supervisor then requeues the job, on the host (a container may have no scontrol).
         env[JobEnv.REQUEUE_SIGNAL] = s.signal
+        env[JobEnv.CHAIN] = str(s.chain)  # (where Slurm does not requeue, rank 0's time estimate counts on the chain)
         # The job's times as scontrol gave them, for rank 0's stop before the time limit; in Unix
         # seconds too (scontrol prints local time, and a container's time zone may differ).
         env.pop(JobEnv.JOB_TIMES, None)
@@ -475,16 +476,16 @@ class Supervisor:
         """The job that continues the run, when CHAIN asks for it and Slurm did not requeue this
         one after a stop that needed it; the END line, the job's outcome in RUN_DIR/exit-code
         (for sweep.py summary and whoever reads the run directory), and the line that continues
-        the run."""
+        the run, or where a job already continues it, that job (the line, run again, would
+        queue a second one)."""
         s, status = self.s, outcome.status
         line = self.continue_line() if status not in (0, EXIT_USAGE) else ""
         # Not after a finished run (0) nor a failure that a new job would repeat (1, 2, 3).
-        next_job = self.chain(line) if self.not_requeued and s.chain and status not in (0, EXIT_BUG, EXIT_USAGE,
-                                                                                        EXIT_DIVERGED) else ""
-        gave_up = f" gave up after {attempts} attempts ({outcome.why}; MAX_RESTARTS={s.max_restarts})" \
-            if outcome.retry else ""
-        chained = f" chained: Slurm job {next_job} continues the run" if next_job else ""
-        print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{gave_up}{chained}", flush=True)
+        chains = self.not_requeued and s.chain and status not in (0, EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED)
+        queued = self.queued_successor() if chains else ""
+        next_job = self.chain(line) if chains and not queued else ""
+        said = how_it_ended(outcome, attempts, s.max_restarts, next_job)
+        print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{said}", flush=True)
         # Not when another job holds the run directory: that one's outcome is still to come.
         if not os.path.exists(os.path.join(s.job_dir, JobPaths.RUN_DIR_TAKEN)):
             try:
@@ -493,7 +494,10 @@ class Supervisor:
                     file.write(f"{status}\n")
             except OSError:
                 pass
-        if line:
+        continued_by = next_job or queued
+        if continued_by:
+            print(f"nothing to submit: Slurm job {continued_by} already continues the run (squeue --job {continued_by})")
+        elif line:
             why = "to continue from the last checkpoint with a lower --lr" if status == EXIT_DIVERGED else \
                 "to continue from the newest checkpoint"
             print(f"{why}, from {shlex.quote(submit_dir())}: {line}")
@@ -525,18 +529,24 @@ class Supervisor:
             line = f"{self.resubmit} {given}".rstrip()
         return line
 
-    def chain(self, line: str) -> str:
-        """CHAIN: submit `line`, the sbatch line that continues the run (its CHAIN one fewer), as a
-        job that starts once this one has ended, and record its id in RUN_DIR/chained-job; unless
-        the job recorded there is still queued, which already continues the run. The new job's
-        id, said in one line; "" and one line that says why, where there is none."""
+    def queued_successor(self) -> str:
+        """The job CHAIN submitted earlier (RUN_DIR/chained-job) while Slurm still holds it,
+        said in one line: it already continues the run, and no second job is chained; "" when
+        there is none."""
         s = self.s
         queued = chained_job(s.run_dir)
         state = job_fields(show_job(queued)).get("JobState", "") if queued and queued != s.job else ""
-        if state in QUEUED:
-            print(f"not chaining another job: Slurm job {queued} ({state}) already continues the run "
-                  f"({os.path.join(s.run_dir, JobPaths.CHAINED_JOB)})", flush=True)
+        if state not in QUEUED:
             return ""
+        print(f"not chaining another job: Slurm job {queued} ({state}) already continues the run "
+              f"({os.path.join(s.run_dir, JobPaths.CHAINED_JOB)})", flush=True)
+        return queued
+
+    def chain(self, line: str) -> str:
+        """CHAIN: submit `line`, the sbatch line that continues the run (its CHAIN one fewer), as a
+        job that starts once this one has ended, and record its id in RUN_DIR/chained-job. The
+        new job's id, said in one line; "" and one line that says why, where sbatch fails."""
+        s = self.s
         try:
             command, env = chained_submission(line, s.job, self.handed_over)
             result = run(command, SBATCH_TIMEOUT, env, cwd=submit_dir())
@@ -556,6 +566,18 @@ class Supervisor:
         print(f"Slurm did not requeue job {s.job}: chained Slurm job {new}, which continues the run once this one "
               f"has ended (sbatch --dependency=afterany:{s.job}, CHAIN={s.chain - 1})", flush=True)
         return new
+
+
+def how_it_ended(outcome: Outcome, attempts: int, max_restarts: int, next_job: str) -> str:
+    """What the END line says after the exit code: after a failure a restart may fix, whether
+    the restarts ran out (gave up) or the job ended with some unused (its nodes: requeued, or
+    not); and the job CHAIN submitted to continue the run."""
+    said = ""
+    if outcome.retry and attempts > max_restarts:
+        said = f" gave up after {attempts} attempts ({outcome.why}; MAX_RESTARTS={max_restarts})"
+    elif outcome.retry:
+        said = f" ended after {attempts} of {max_restarts + 1} attempts ({outcome.why})"
+    return said + (f" chained: Slurm job {next_job} continues the run" if next_job else "")
 
 
 def submit_dir() -> str:

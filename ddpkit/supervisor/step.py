@@ -115,7 +115,9 @@ def resubmit_line(s: Settings, env: Mapping[str, str], fields: Mapping[str, str]
         request.append("--partition=" + env["SLURM_JOB_PARTITION"])
     if env.get("SLURM_JOB_ACCOUNT"):
         request.append("--account=" + env["SLURM_JOB_ACCOUNT"])
-    if env.get("SLURM_JOB_NAME", "mnist-ddp") != "mnist-ddp":
+    # A batch job's name, as given; inside salloc (BatchFlag=0) SLURM_JOB_NAME is the allocation's
+    # (interactive), and the batch file's own --job-name names the job the line submits.
+    if env.get("SLURM_JOB_NAME", "mnist-ddp") != "mnist-ddp" and fields.get("BatchFlag") != "0":
         request.append("--job-name=" + env["SLURM_JOB_NAME"])
     if fields.get("ExcNodeList") not in (None, "", "(null)"):  # (yours, and the nodes a job left out)
         request.append("--exclude=" + fields["ExcNodeList"])

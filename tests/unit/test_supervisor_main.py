@@ -124,13 +124,16 @@ def test_the_batch_file_without_slurm_or_without_python3_is_one_line(tmp_path, e
 
 # ----------------------------------------------------------------------------- the supervisor's steps
 
-def supervised_job(tmp_path: Path, srun_exits: str, args: list, **env: str) -> subprocess.CompletedProcess:
+def supervised_job(tmp_path: Path, srun_exits: str, args: list, requeue_wait: int = 0, **env: str
+                   ) -> subprocess.CompletedProcess:
     """The supervisor as run_training.sbatch hands over to it, in a job of 1 node and 2 ranks
     whose project is a copy in tmp_path/project. On its PATH, srun records each step's command
     (a line of srun.log: the copy's mnist_ddp.py it runs, then the training options), runs
     tmp_path/srun-leaves when there is one (the files the ranks leave) and exits with the next
     of `srun_exits` (137: killed, as srun reports it); scontrol shows the job N whose line
-    tmp_path/shows-N holds and knows no other; sbatch records its arguments (sbatch-args),
+    tmp_path/shows-N holds and knows no other, and refuses every requeue, unless
+    tmp_path/requeue-accepted exists (then it accepts it, and leaves the job running as a slow
+    Slurm would: `requeue_wait` shortens the supervisor's wait for its end); sbatch records its arguments (sbatch-args),
     some of its environment (sbatch-env) and where it ran (sbatch-cwd), and submits job 1234,
     or fails with the message tmp_path/sbatch-refuses holds; PYTHON answers the supervisor's
     check that it imports torch."""
@@ -150,6 +153,7 @@ exit "${{!n}}"
 """)
         (tools / "scontrol").write_text(f"""#!/bin/sh
 if [ "$1" = show ] && [ -f "{tmp_path}/shows-$4" ]; then cat "{tmp_path}/shows-$4"; exit 0; fi
+if [ "$1" = requeue ] && [ -f "{tmp_path}/requeue-accepted" ]; then exit 0; fi
 exit 1
 """)
         (tools / "sbatch").write_text(f"""#!/bin/sh
@@ -166,10 +170,14 @@ echo 1234
     (tmp_path / "srun-exits").write_text(srun_exits)
     job = {"SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1",
            "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "PYTHON": str(tools / "python")}
-    return subprocess.run([sys.executable, str(project / "ddpkit" / "supervisor" / "main.py"), "supervise", "--project",
-                           str(project), "--batch-file", str(project / "run_training.sbatch"), "--environment", "VENV=/v",
-                           "--", *args], cwd=tmp_path, env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **{**job, **env}),
-                          capture_output=True, text=True, timeout=60)
+    entry = [str(project / "ddpkit" / "supervisor" / "main.py")]
+    if requeue_wait:  # (the copy's supervisor, its wait for Slurm after a requeue set from here)
+        entry = ["-c", f"import sys; sys.path[0] = {str(project)!r}; from ddpkit.supervisor import main; "
+                       f"main.REQUEUE_WAIT = {requeue_wait}; sys.exit(main.main(sys.argv[1:]))"]
+    return subprocess.run([sys.executable, *entry, "supervise", "--project", str(project), "--batch-file",
+                           str(project / "run_training.sbatch"), "--environment", "VENV=/v", "--", *args], cwd=tmp_path,
+                          env=clean_env(PATH=f"{tools}:/usr/bin:/bin", **{**job, **env}), capture_output=True, text=True,
+                          timeout=60)
 
 
 def steps_run(tmp_path: Path) -> list:
@@ -253,15 +261,20 @@ def test_the_batch_file_is_its_sbatch_lines_the_environment_and_one_hand_over():
 # ----------------------------------------------------------------------------- CHAIN
 
 NOT_REQUEUEABLE = LINE.replace("Requeue=1", "Requeue=0")  # (as sbatch --no-requeue leaves it)
+CONTINUED_BY_1234 = "nothing to submit: Slurm job 1234 already continues the run (squeue --job 1234)"
 
 
-def ranks_leave(tmp_path: Path, codes: str, continue_line: str = "") -> None:
+def ranks_leave(tmp_path: Path, codes: str, continue_line: str = "", requeue: bool = True) -> None:
     """What the ranks leave in the job's folder as the stand-in srun ends: each rank's code, the
-    requeue file (a stop on SIGUSR1 asks for a requeue) and rank 0's line that continues the run."""
+    requeue file (a stop on SIGUSR1 asks for a requeue; one on SIGTERM or Ctrl-C, or no stop,
+    for none: `requeue`) and rank 0's line that continues the run; it records the CHAIN the
+    ranks were given (ranks-chain)."""
     folder = f'"${JobEnv.EXIT_DIR}"'
     leaves = [f"mkdir -p {folder}"]
     leaves += [f"echo {code} > {folder}/{JobPaths.RANK_CODE.format(rank)}" for rank, code in enumerate(codes.split())]
-    leaves.append(f"echo SIGUSR1 > {folder}/{JobPaths.REQUEUE}")
+    leaves.append(f'echo "${JobEnv.CHAIN}" > {tmp_path}/ranks-chain')  # (what CHAIN rank 0's time estimate counts on)
+    if requeue:
+        leaves.append(f"echo SIGUSR1 > {folder}/{JobPaths.REQUEUE}")
     if continue_line:
         leaves.append(f'echo "${JobEnv.RESUBMIT} {continue_line}" > {folder}/{JobPaths.CONTINUE_COMMAND}')
     (tmp_path / "srun-leaves").write_text("\n".join(leaves) + "\n")
@@ -273,11 +286,14 @@ def sbatch_calls(tmp_path: Path) -> list:
 
 def test_a_stop_slurm_does_not_requeue_is_continued_by_a_chained_job_and_never_by_two(tmp_path):
     """CHAIN=2, a job Slurm may not requeue, stopped on SIGUSR1: the supervisor submits rank 0's
-    line that continues the run, with CHAIN=1, as a job that waits for this one to end; says so
+    line that continues the run, with CHAIN=1, as a job that waits for this one to end (the
+    ranks were told CHAIN, which rank 0's time estimate counts on); says so
     in one line with its id, and on the END line (exit 75); records its id in the run
-    directory; and prints the line after END as submitted. While that job is pending, a second
-    stop of the run chains nothing and says which job continues the run; once it has ended, a
-    stop chains again. The chained job, when it runs, clears the record."""
+    directory; and after END says that job continues the run, not the line it was submitted
+    with (run again, that line would queue a second job for the run). While that job is
+    pending, a second stop of the run chains nothing and says, after END too, which job
+    continues the run; once it has ended, a stop chains again. The chained job, when it runs,
+    clears the record."""
     (tmp_path / "shows-77").write_text(NOT_REQUEUEABLE + "\n")
     ranks_leave(tmp_path, "75 75", "--epochs 3 --lr 0.5")
     result = supervised_job(tmp_path, "75", ["--epochs", "3", "--lr", "0.5"], CHAIN="2", MASTER_PORT="29500")
@@ -294,12 +310,13 @@ def test_a_stop_slurm_does_not_requeue_is_continued_by_a_chained_job_and_never_b
     lines = result.stdout.splitlines()
     assert [line for line in lines if "1234" in line] == [
         "Slurm did not requeue job 77: chained Slurm job 1234, which continues the run once this one has ended "
-        "(sbatch --dependency=afterany:77, CHAIN=1)", lines[-2]]
+        "(sbatch --dependency=afterany:77, CHAIN=1)", lines[-2], lines[-1]]
     assert re.fullmatch(r"END \S+ job=77 exit=75 chained: Slurm job 1234 continues the run", lines[-2])
-    assert lines[-1] == f"to continue from the newest checkpoint, from {tmp_path}: {printed}"
+    assert lines[-1] == CONTINUED_BY_1234
+    assert "run_training.sbatch --epochs" not in result.stdout  # (no line to run: it would queue a second job)
     assert "Slurm job 77 may not be requeued (it was submitted without --requeue)" in lines
     record = runs / "job-77" / JobPaths.CHAINED_JOB
-    assert record.read_text() == "1234\n"
+    assert record.read_text() == "1234\n" and (tmp_path / "ranks-chain").read_text() == "2\n"
 
     for done in ("sbatch-args", "srun.log"):
         (tmp_path / done).unlink()
@@ -307,7 +324,8 @@ def test_a_stop_slurm_does_not_requeue_is_continued_by_a_chained_job_and_never_b
     again = supervised_job(tmp_path, "75", ["--epochs", "3"], CHAIN="2")
     assert sbatch_calls(tmp_path) == [] and again.returncode == 75
     assert f"not chaining another job: Slurm job 1234 (PENDING) already continues the run ({record})" in again.stdout
-    assert re.search(r"^END \S+ job=77 exit=75$", again.stdout, re.M) and record.read_text() == "1234\n"
+    assert re.fullmatch(r"END \S+ job=77 exit=75", again.stdout.splitlines()[-2]) and record.read_text() == "1234\n"
+    assert again.stdout.splitlines()[-1] == CONTINUED_BY_1234 and "run_training.sbatch --epochs" not in again.stdout
     (tmp_path / "shows-1234").write_text("JobId=1234 JobName=mnist-ddp JobState=CANCELLED Reason=None\n")
     (tmp_path / "srun.log").unlink()
     supervised_job(tmp_path, "75", ["--epochs", "3"], CHAIN="2")
@@ -330,6 +348,58 @@ def test_nothing_is_chained_after_a_finished_run_a_failure_no_restart_fixes_or_w
     assert result.returncode == int(codes.split()[0]), result.stdout + result.stderr
     assert sbatch_calls(tmp_path) == [] and not re.search(r"chain(ed|ing)? (Slurm|the|another)", result.stdout)
     assert not (tmp_path / "runs" / "job-77" / JobPaths.CHAINED_JOB).exists()
+
+
+@pytest.mark.parametrize("codes, exits", [
+    ("75 75", "75"),                # a stop on SIGTERM (scancel) or Ctrl-C: it asks for no requeue
+    ("4 4", "4 4 4 4"),             # a lost peer at every attempt: it gave up at MAX_RESTARTS
+    ("137 137", "137 137 137 137"),  # a rank killed at every attempt: the same
+])
+def test_nothing_is_chained_where_no_stop_asked_for_a_requeue(tmp_path, codes, exits):
+    """CHAIN=2 in a job Slurm may not requeue: only a stop that asked for a requeue, refused,
+    chains a job. A stop that asks for none (SIGTERM, Ctrl-C) ends with the line that
+    continues the run, and so does a job that gave up after MAX_RESTARTS."""
+    (tmp_path / "shows-77").write_text(NOT_REQUEUEABLE + "\n")
+    ranks_leave(tmp_path, codes, requeue=False)
+    result = supervised_job(tmp_path, exits, ["--epochs", "3"], CHAIN="2")
+    assert result.returncode == int(codes.split()[0]), result.stdout + result.stderr
+    assert sbatch_calls(tmp_path) == [] and not re.search(r"chain(ed|ing)? (Slurm|the|another)", result.stdout)
+    assert "requeue" not in result.stdout and not (tmp_path / "runs" / "job-77" / JobPaths.CHAINED_JOB).exists()
+    end, line = result.stdout.splitlines()[-2:]
+    assert ("gave up after 4 attempts" in end) == (exits != "75"), end
+    assert line.startswith(f"to continue from the newest checkpoint, from {tmp_path}: SHARED_DIR=")
+
+
+def test_nothing_is_chained_after_a_requeue_slurm_accepted_however_slowly(tmp_path):
+    """CHAIN=2, a stop on SIGUSR1, and Slurm accepts the requeue but has not ended the job when
+    the supervisor's wait for it ends: the job is requeued, so it chains nothing."""
+    (tmp_path / "shows-77").write_text(LINE + "\n")
+    (tmp_path / "requeue-accepted").touch()
+    ranks_leave(tmp_path, "75 75")
+    result = supervised_job(tmp_path, "75", ["--epochs", "3"], requeue_wait=1, CHAIN="2")
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "requeueing Slurm job 77 after SIGUSR1; it resumes from its last checkpoint" in result.stdout
+    assert sbatch_calls(tmp_path) == [] and not re.search(r"chain(ed|ing)? (Slurm|the|another)", result.stdout)
+
+
+def test_a_job_that_hands_the_run_on_before_max_restarts_does_not_say_it_gave_up(tmp_path):
+    """A 2-node job loses a node (MIN_NODES unset: every node), is not requeued (Slurm may not),
+    with 3 restarts unused: its END line says it ended after 1 of 4 attempts, and, with
+    CHAIN=2, that the job it chained continues the run; without CHAIN, the line after END
+    does."""
+    (tmp_path / "shows-77").write_text(NOT_REQUEUEABLE + " NumNodes=1 NodeList=n1\n")
+    two_nodes = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4"}
+    lost = ("rank 0 1 2 3 ended without an exit code: killed by a signal (srun's lines above say which); then "
+            "the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 (unset: every node of the job), and it was not "
+            "requeued")
+    for chain, said in (("2", " chained: Slurm job 1234 continues the run"), ("0", "")):
+        result = supervised_job(tmp_path, "137", ["--epochs", "3"], CHAIN=chain, **two_nodes)
+        assert result.returncode == 137, result.stdout + result.stderr
+        end = [line for line in result.stdout.splitlines() if line.startswith("END ")]
+        assert re.fullmatch(rf"END \S+ job=77 exit=137 ended after 1 of 4 attempts \({re.escape(lost)}\){said}", end[0]), end
+        for done in (tmp_path / "runs" / "job-77" / JobPaths.CHAINED_JOB, tmp_path / "srun.log"):
+            done.unlink(missing_ok=True)
+    assert result.stdout.splitlines()[-1].startswith(f"to continue from the newest checkpoint, from {tmp_path}: ")
 
 
 def test_a_chain_sbatch_refuses_is_one_line_and_the_printed_line_remains(tmp_path):

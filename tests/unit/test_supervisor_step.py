@@ -73,6 +73,17 @@ def test_the_resubmit_line_asks_for_what_this_job_got(tmp_path, env, line, asked
     assert resubmit.endswith(f" {tmp_path}/project/run_training.sbatch")
 
 
+def test_a_line_from_inside_salloc_keeps_the_batch_files_job_name(tmp_path):
+    """Inside salloc (BatchFlag=0), SLURM_JOB_NAME is the allocation's name (interactive): the
+    line leaves the name to the batch file's own --job-name, so the job it submits, chained or
+    typed, writes mnist-ddp-<id>.out. A batch job's own name is kept (a chain of it too)."""
+    inside = resubmit_line(settings(tmp_path), {**JOB, "SLURM_JOB_NAME": "interactive"},
+                           job_fields(LINE.replace("BatchFlag=1", "BatchFlag=0")))
+    assert "--job-name" not in inside, inside
+    chained = resubmit_line(settings(tmp_path), {**JOB, "SLURM_JOB_NAME": "lr-sweep"}, job_fields(LINE))
+    assert " --job-name=lr-sweep " in chained, chained
+
+
 def test_the_resubmit_line_carries_the_settings_as_given_and_is_quoted(tmp_path):
     """Each setting is NAME= and its value quoted, which a shell reads as an assignment (a
     quoted 'NAME=value' is a command to it): the line, run as printed by bash with an sbatch

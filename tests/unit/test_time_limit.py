@@ -146,6 +146,32 @@ def test_after_the_first_epoch_it_says_whether_the_run_fits():
     assert "its time limit leaves no time to train after start-up" in short.fit_line(1.0, 7800)
 
 
+def test_a_job_slurm_does_not_requeue_says_what_chain_will_do(monkeypatch):
+    """With CHAIN (which the supervisor passes on to the ranks as JobEnv.CHAIN), a job Slurm
+    does not requeue chains the job that continues the run: the estimate says so, and how
+    many jobs it takes; where CHAIN is too small for them, that the last job's line continues
+    the run, and the CHAIN that would do. Without CHAIN, the line it prints continues it."""
+    given = {"SLURM_JOB_START_TIME": "0", "SLURM_JOB_END_TIME": "3600",
+             contract.JobEnv.JOB_INFO: INFO.replace("Requeue=1", "Requeue=0")}
+    assert read_job_times(given, "7") == JobTimes(0.0, 3600.0, requeue=False)
+    assert read_job_times({**given, contract.JobEnv.CHAIN: "3"}, "7") == JobTimes(0.0, 3600.0, requeue=False, chain=3)
+    head = "needs about 2 h 10 min at this speed, the job ends in 45 min: it saves and stops 60 s before the end, and is not requeued"
+    for chain, said in (("3", ": it chains the job that continues it, about 2 more jobs (CHAIN=3); --time=2:50:00 would do "
+                              "it in one"),
+                        ("2", ": it chains the job that continues it, about 2 more jobs (CHAIN=2); --time=2:50:00 would do "
+                              "it in one"),
+                        ("1", ": it chains the job that continues it, 1 more job (CHAIN=1) of the about 2 it takes: the "
+                              "last prints the line that continues the run, and CHAIN=2 would chain them all; "
+                              "--time=2:50:00 would do it in one"),
+                        ("0", " (the line it prints continues it); --time=2:50:00 would do it in one")):
+        limit = TimeLimit(read_job_times({**given, contract.JobEnv.CHAIN: chain}, "7"), "auto", Clock(300.0))
+        limit.clock = Clock(900.0)
+        assert limit.fit_line(1.0, 7800) == head + said, chain
+    once = TimeLimit(JobTimes(0.0, 3600.0, requeue=False, chain=1), "auto", Clock(300.0))
+    once.clock = Clock(900.0)
+    assert ": it chains the job that continues it, about 1 more job (CHAIN=1);" in once.fit_line(1.0, 4000)
+
+
 def test_a_line_without_a_start_or_with_its_end_at_its_start_gives_no_times():
     assert times_from_job_info(INFO.replace("StartTime=2026-11-24T13:15:52", "StartTime=Unknown")) is None
     assert times_from_job_info(INFO.replace("EndTime=2026-11-24T13:17:52", "EndTime=2026-11-24T13:15:52")) is None

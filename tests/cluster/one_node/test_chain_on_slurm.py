@@ -1,7 +1,9 @@
 """CHAIN on a real Slurm (local-slurm.sh, the one_node cluster): a job that Slurm may not requeue
 (sbatch --no-requeue), stopped by SIGUSR1 after its first epoch, submits the job that continues
 the run itself (sbatch --dependency=afterany:<its id>), which resumes at the saved step and
-finishes. The timeline it prints (each job's START and END) is the one docs/recovery.md quotes.
+finishes; after END it names that job instead of a line to submit. The timeline it prints
+(each job's START and END) is the one docs/recovery.md quotes. The same from inside salloc:
+the chained job keeps the batch file's job name and output file.
 
     python -m pytest -s tests/cluster/one_node/test_chain_on_slurm.py
 """
@@ -9,12 +11,14 @@ finishes. The timeline it prints (each job's START and END) is the one docs/reco
 import datetime
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from ddpkit.contract import JobPaths
-from helpers.cluster import FAST, LOCAL_SLURM, finish, wait_for_epoch_1
+from helpers.cluster import FAST, LOCAL_SLURM, SBATCH_FILE, finish, wait_for_epoch_1
 from helpers.images import read_metrics
+from helpers.processes import ROOT
 
 
 def wait_for_end(output: Path, timeout: float = 400) -> str:
@@ -47,7 +51,10 @@ def test_a_job_slurm_will_not_requeue_chains_the_job_that_continues_the_run(one_
     assert chained, out[-3000:]
     second = chained.group(1)
     assert re.search(rf"^END \S+ job={first} exit=75 chained: Slurm job {second} continues the run$", out, re.M)
-    assert re.search(r"^to continue from the newest checkpoint, from \S+: .* CHAIN=1 sbatch ", out, re.M)
+    assert out.splitlines()[-1] == f"nothing to submit: Slurm job {second} already continues the run (squeue --job {second})"
+    assert "0: run_training.sbatch requeues the job when this step has ended; where it cannot, it chains the job that " \
+           "continues the run (CHAIN=2)" in out
+    assert "to continue" not in out  # (no line to run: run as told, it would queue a second job)
     stopped = int(re.search(r"^0: stopping on SIGUSR1 at step (\d+): saved ", out, re.M).group(1))
 
     text = wait_for_end(tmp_path / f"mnist-ddp-{second}.out")
@@ -66,3 +73,33 @@ def test_a_job_slurm_will_not_requeue_chains_the_job_that_continues_the_run(one_
           f"chained {second}) +{(end_1 - start_1).total_seconds():.0f} s; job {second} START "
           f"+{(start_2 - start_1).total_seconds():.0f} s ({(start_2 - end_1).total_seconds():.0f} s after the first END), "
           f"END (exit 0) +{(end_2 - start_1).total_seconds():.0f} s")
+
+
+def test_a_job_chained_from_inside_salloc_keeps_the_batch_files_job_name(one_node, tmp_path):
+    """Inside salloc, the batch file run with CHAIN=1 and stopped on SIGUSR1 at step 20 (the
+    rehearsed stop): Slurm requeues no allocation, so it chains the job that continues the
+    run, which starts once the allocation has ended. That job is named as the batch file names
+    it (mnist-ddp-<id>.out), not after the allocation, resumes at the saved step and
+    finishes; the allocation's output names it, after END, as the job that continues the run."""
+    inner = tmp_path / "inside.sh"
+    inner.write_text(f"CHAIN=1 RUN_NAME=salloc-chain bash {SBATCH_FILE} {' '.join(FAST)} --epochs 2 --interrupt-at 20:USR1; "
+                     "echo BATCH=$?\n")
+    env = {**one_node.env, "SCRIPT": str(ROOT / "mnist_ddp.py"), "PYTHON": sys.executable}
+    result = subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "salloc", "-N1", "-n2", "--cpus-per-task=1",
+                             "bash", str(inner)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = result.stdout + result.stderr
+    assert "BATCH=75" in out and "is an interactive allocation (salloc), which Slurm does not requeue" in out, out[-4000:]
+    chained = re.search(r"^Slurm did not requeue job (\d+): chained Slurm job (\d+), which continues the run", out, re.M)
+    assert chained, out[-4000:]
+    first, second = chained.groups()
+    assert f"\nnothing to submit: Slurm job {second} already continues the run (squeue --job {second})\n" in out, out[-3000:]
+    assert "to continue" not in out, out[-3000:]
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(f"*-{second}.out")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [path.name for path in tmp_path.glob("*.out")] == [f"mnist-ddp-{second}.out"]  # (not interactive-<id>.out)
+    text = wait_for_end(tmp_path / f"mnist-ddp-{second}.out")
+    assert re.search(r"^0: resumed from \S+/runs/salloc-chain/checkpoints/ckpt-0*20\.pt: epoch \d+, step 20 ", text, re.M), \
+        text[-3000:]
+    assert re.search(rf"^END \S+ job={second} exit=0$", text, re.M), text[-3000:]
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "salloc-chain")] == [1, 2]
