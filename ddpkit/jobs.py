@@ -306,15 +306,17 @@ class Job:
         options = self.options
         self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),
                                 step, classes, options.log_every, options.progress_every, note=note,
-                                tracker=self.tracker(hparams.values) if options.tracker != "none" else NoTracker())
+                                tracker=self.tracker(hparams.values, changed=changed) if options.tracker != "none"
+                                else NoTracker())
         record_continue_command(self.launch, self.continue_command())
 
-    def tracker(self, hparams: dict, recorded: bool = True) -> Tracker:
+    def tracker(self, hparams: dict, recorded: bool = True, changed: str = "") -> Tracker:
         """(rank 0) The run's experiment tracker for this start, which records the start itself
-        (`recorded`; not a finished run's start, which only sends what the tracker lacks)."""
+        (`recorded`; not a finished run's start, which only sends what the tracker lacks) and the
+        options it `changed`."""
         launch = self.launch
-        start = Start(job=launch.job_id, requeues=launch.requeues, attempt=launch.attempt,
-                      world_size=self.rt.world_size, step=self.progress.step, at=time.strftime("%Y-%m-%d %H:%M:%S %z"))
+        start = Start(job=launch.job_id, requeues=launch.requeues, attempt=launch.attempt, world_size=self.rt.world_size,
+                      step=self.progress.step, at=time.strftime("%Y-%m-%d %H:%M:%S %z"), changed=changed)
         return Tracker(self.options.tracker, self.run_dir, start=start if recorded else None, hparams=hparams,
                        identity={"run_dir": str(self.run_dir.resolve()), "launcher": launch.source})
 

@@ -10,6 +10,7 @@ abbreviation (--ep 3) is an error, as it would read as another option once one i
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -17,6 +18,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ddpkit.contract import RUN_NAME_RULE, is_run_name
 from ddpkit.launch import PROG, UsageError
@@ -122,16 +124,35 @@ def tracker_problem(tracker: str) -> str:
     """The one line that stops a run asking for a tracker it cannot use, or "": its package is
     not installed (looked for, not imported: MLflow takes seconds to import), or MLflow has no
     MLFLOW_TRACKING_URI (its default, a database in the working directory, would make each
-    submission directory a tracker of its own)."""
+    submission directory a tracker of its own) or points it at the file store it refuses (the
+    tracker would get nothing)."""
     if tracker not in TRACKER_PACKAGES:
         return ""
     if importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is None:
         return (f"--tracker {tracker} needs the {TRACKER_PACKAGES[tracker]} package, which {sys.executable} lacks: "
                 f"pip install {TRACKER_PACKAGES[tracker]}")
     if tracker == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI"):
-        return ("--tracker mlflow needs MLFLOW_TRACKING_URI: a server (http://host:5000) or a folder every node "
-                "reaches (file:///project/mlruns); export it before the run or the job starts")
+        return ("--tracker mlflow needs MLFLOW_TRACKING_URI: a server (http://host:5000) or a database every node "
+                "reaches (sqlite:////project/mlflow.db); export it before the run or the job starts")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    file_store = uri not in ("databricks", "databricks-uc", "uc") and urlsplit(uri).scheme in ("", "file")  # (as MLflow reads it)
+    if tracker == "mlflow" and file_store and refuses_file_store():
+        return (f"--tracker mlflow: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow "
+                f"{importlib.metadata.version('mlflow')} refuses: use a server (http://host:5000) or a database every "
+                "node reaches (sqlite:////project/mlflow.db), or export MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
     return ""
+
+
+def refuses_file_store() -> bool:
+    """Whether the MLflow installed refuses its file store (from 3.13 on, unless
+    MLFLOW_ALLOW_FILE_STORE is true), read from its version: importing it takes seconds."""
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+        return False
+    try:
+        major, minor = (int(part) for part in re.findall(r"\d+", importlib.metadata.version("mlflow"))[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (3, 13)
 
 
 def check_run_options(c: RunOptions) -> None:

@@ -8,11 +8,13 @@ unreachable or failing never holds up a step, and never stops training. One line
 and what it missed is sent when it answers again, at a later epoch or a later start.
 
 RUN_DIR/tracker.json (JobPaths.TRACKER) keeps, for each tracker (and MLflow server), its run
-id, the last step it has, whether it has the hyperparameters, and each start of the run (job,
-requeues, attempt, world size, step). metrics.jsonl stays the record that counts: a start sends
-the epochs the tracker lacks from it, and drops every point of a step the tracker has already
-(a resumed run trains those steps again). The per-step points (the batch loss, the ranks' step
-times) wait in the sender: one that ends before the tracker answers loses those, never an epoch.
+id, the last step it has, whether it has the hyperparameters and at which step the final
+figures, and each start of the run (job, requeues, attempt, world size, step, changed options).
+metrics.jsonl stays the record that counts: a start sends the epochs the tracker lacks from it,
+and drops every point of a step the tracker has already (a resumed run trains those steps
+again), unless the start goes back before them with changed options: that is a new timeline,
+and a new tracker run. The per-step points (the batch loss, the ranks' step times) wait in the
+sender: one that ends before the tracker answers loses those, never an epoch.
 
 The sender holds RUN_DIR/.tracker.lock for as long as it lives, so that a start whose
 sender is still finishing (a rank killed, the run started again at once) waits for it before
@@ -24,11 +26,13 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ddpkit.contract import EXIT_STOPPED, JobPaths
 
@@ -73,24 +77,104 @@ class Start:
     world_size: int
     step: int         # the step it starts from
     at: str
+    changed: str = ""  # the options it changed (--allow-changes), "" for none
 
     def text(self) -> str:
         job = f"job {self.job}{f' (requeued {self.requeues}x)' if self.requeues else ''}, " if self.job else ""
-        return f"{job}attempt {self.attempt}, world size {self.world_size}, from step {self.step}, at {self.at}"
+        changed = f", changed: {self.changed}" if self.changed else ""
+        return f"{job}attempt {self.attempt}, world size {self.world_size}, from step {self.step}{changed}, at {self.at}"
+
+
+def server_key(uri: str) -> str:
+    """An MLflow server's address as one spelling: the scheme and host in lower case, no default
+    port, no user or password, no trailing /."""
+    uri = uri.strip()
+    parts = urlsplit(uri)
+    if parts.scheme.lower() not in ("http", "https"):
+        return uri.rstrip("/") or uri
+    try:
+        port = parts.port
+    except ValueError:  # (MLflow names a port it cannot read itself)
+        return uri.rstrip("/")
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = "" if port in (None, {"http": 80, "https": 443}[parts.scheme.lower()]) else f":{port}"
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{parts.scheme.lower()}://{host}{port}{parts.path.rstrip('/')}{query}"
 
 
 def entry_name(tracker: str) -> str:
     """The tracker's entry in tracker.json: a run on another MLflow server is another run."""
-    return f"mlflow {os.environ.get('MLFLOW_TRACKING_URI', '')}".strip() if tracker == "mlflow" else tracker
+    return f"mlflow {server_key(os.environ.get('MLFLOW_TRACKING_URI', ''))}".strip() if tracker == "mlflow" else tracker
+
+
+def addresses(key: str) -> set[tuple[str, int, str]]:
+    """(address, port, path) of each address an http(s) server's key resolves to; none for
+    another store, or a name that does not resolve."""
+    parts = urlsplit(key.removeprefix("mlflow "))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return set()
+    port = parts.port or {"http": 80, "https": 443}[parts.scheme]
+    try:
+        found = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {(info[4][0], port, f"{parts.scheme}{parts.path}") for info in found}
+
+
+def find_entry(path: Path, name: str) -> str:
+    """The entry of tracker.json for the tracker named `name` (entry_name): an MLflow server
+    spelled with another host name or address that resolves to the same address and port is the
+    same server, and keeps the entry of its first spelling."""
+    try:
+        every = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return name
+    if not isinstance(every, dict) or name in every or not name.startswith("mlflow "):
+        return name
+    mine = addresses(name)
+    return next((key for key in every if key.startswith("mlflow ") and mine & addresses(key)), name)
+
+
+# What each field of an entry holds (a field missing is one not written yet).
+ENTRY_FIELDS = {"run_id": str, "name": str, "step": int, "final": int, "params_sent": bool, "starts_sent": int,
+                "starts": list, "earlier": list}
+
+
+def entry_problem(found) -> str:
+    """What makes `found` no entry of tracker.json, or "" (a hand edit, or another version's)."""
+    if not isinstance(found, dict):
+        return f"a {type(found).__name__}, not an object"
+    for field, kind in ENTRY_FIELDS.items():
+        value = found.get(field, kind())
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+            return f"{field} is {value!r}"
+    for start in found.get("starts", []):
+        fields = {f.name: f.type for f in dataclasses.fields(Start)}
+        if not isinstance(start, dict) or set(start) - set(fields) or set(fields) - set(start) - {"changed"} or not all(
+                isinstance(value, fields[key]) and not isinstance(value, bool) for key, value in start.items()):
+            return f"a start is {start!r}"
+    if not all(isinstance(run_id, str) for run_id in found.get("earlier", [])):
+        return f"earlier is {found['earlier']!r}"
+    if found.get("starts_sent", 0) > len(found.get("starts", [])):
+        return f"starts_sent is {found['starts_sent']} of {len(found.get('starts', []))} starts"
+    return ""
 
 
 def read_entry(path: Path, entry: str) -> dict:
+    """The entry, or {} where it is missing; one of the wrong shape is dropped with a line (the
+    tracker then gets a new run, with every epoch of metrics.jsonl)."""
     try:
         every = json.loads(path.read_text())
     except (OSError, ValueError):
         every = {}
     found = every.get(entry, {}) if isinstance(every, dict) else {}
-    return found if isinstance(found, dict) else {}
+    problem = entry_problem(found)
+    if problem:
+        print(f"warning: dropping the entry {entry!r} of {path}, which is not a whole entry ({problem[:200]}); the "
+              "tracker gets a new run, with every epoch of metrics.jsonl", file=sys.stderr, flush=True)
+        return {}
+    return found
 
 
 @contextlib.contextmanager
@@ -146,16 +230,30 @@ class Tracker:
         """`start`: this start, to record on the tracker's run (None: a finished run started again,
         which only sends what the tracker may still lack)."""
         self.kind, self.run_dir, self.hparams, self.identity = tracker, run_dir, hparams, identity
-        self.path, self.entry = run_dir / JobPaths.TRACKER, entry_name(tracker)
+        self.path = run_dir / JobPaths.TRACKER
         with entry_lock(self.path, LOCK_WAIT):
+            self.entry = find_entry(self.path, entry_name(tracker))
             state = read_entry(self.path, self.entry)
+            if start and start.changed and start.step < state.get("step", 0):
+                state = self.new_timeline(state, start.step)
             state.setdefault("starts", [])
             if start:
                 state["starts"].append(dataclasses.asdict(start))
             write_entry(self.path, self.entry, state)  # (a disk that refuses it stops the start, as metrics.jsonl would)
         self.has_up_to = state.get("step", 0)  # every point at or before it went to the tracker before this start
+        self.final_sent = state.get("final", -1)  # the step of the final figures the tracker has (-1: none)
         self.points: list[list] = []  # [tag, value, step, milliseconds since 1970, whether an epoch's]
-        self.finished, self.sender, self.sender_named = False, None, False
+        self.finished, self.final_step, self.sender, self.sender_named = False, -1, None, False
+
+    def new_timeline(self, state: dict, step: int) -> dict:
+        """The entry of a new tracker run, for a start that goes back to `step` with changed
+        options: the tracker's run keeps the steps after it as they were first trained, and the
+        new one gets the epochs up to `step` from metrics.jsonl, then what this start trains."""
+        name, earlier = f"{self.run_dir.name} from step {step}", [*state.get("earlier", []), state.get("run_id", "")]
+        self.identity = {**self.identity, "earlier_run": f"{earlier[-1]} (its steps after {step}: other options)"}
+        print(f"{TRACKERS[self.kind].name}: a new run, {name!r}, for the steps from {step} on with changed options; "
+              f"the run {earlier[-1]} keeps its steps after {step} as they were first trained", flush=True)
+        return {"name": name, "earlier": earlier, "starts": state.get("starts", [])}
 
     def begin(self, records: list[dict]) -> None:
         """Start the sender, with the epochs of metrics.jsonl (`records`) that the tracker lacks."""
@@ -163,7 +261,7 @@ class Tracker:
             self.add_epoch(record)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         try:
-            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir)],
+            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir), self.entry],
                                            stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
         except OSError as err:
             print(f"warning: cannot start the tracker's sender ({err.strerror}); training goes on, and the tracker gets "
@@ -187,9 +285,12 @@ class Tracker:
         self.hand_over({})
 
     def finish(self, final: dict, step: int) -> None:
-        for name, value in final.items():
-            self.point(f"final/{name}", value, step, epoch=True)
-        self.finished = True
+        """The final figures at the last step, which the last epoch's share: sent unless the
+        tracker has them already, whatever step it has."""
+        if step != self.final_sent:
+            at_ms = int(time.time() * 1000)
+            self.points.extend([f"final/{name}", float(value), step, at_ms, True] for name, value in final.items())
+        self.finished, self.final_step = True, step
 
     def hand_over(self, message: dict) -> None:
         """Pass the points gathered so far, with `message`, to the sender (a line on its stdin,
@@ -213,7 +314,7 @@ class Tracker:
         to hand the tracker what is left (once; a second call does nothing)."""
         if self.sender is None or self.sender.stdin.closed:
             return
-        self.hand_over({"finished": self.finished, "code": code})
+        self.hand_over({"finished": self.finished, "final": self.final_step, "code": code})
         with contextlib.suppress(OSError):
             self.sender.stdin.close()
         try:
@@ -238,10 +339,20 @@ class NoTracker:
 # ----------------------------------------------------------------------------- the trackers
 
 class MLflow:
-    """A run in MLflow, where MLFLOW_TRACKING_URI points (a server, or a local folder;
-    ./mlruns when unset), in the experiment MLFLOW_EXPERIMENT_ID or MLFLOW_EXPERIMENT_NAME
-    names (created if missing), else MLflow's Default."""
+    """A run in MLflow, where MLFLOW_TRACKING_URI points (a server or a database; a file store
+    only with MLFLOW_ALLOW_FILE_STORE=true: options.tracker_problem), in the experiment
+    MLFLOW_EXPERIMENT_ID or MLFLOW_EXPERIMENT_NAME names (created if missing), else MLflow's
+    Default."""
     name = "MLflow"
+
+    @staticmethod
+    def lasting(err: Exception) -> bool:
+        """Whether MLflow refused the request (HTTP 4xx, or MLflow's own check: a store it
+        refuses, a password, a missing experiment), which trying again does not mend; the
+        connection errors, time-outs and 5xx of an outage pass."""
+        from mlflow.exceptions import MlflowException
+        return isinstance(err, MlflowException) and 400 <= err.get_http_status_code() < 500 and \
+            err.get_http_status_code() not in (408, 409, 429, 499)
 
     def __init__(self, run_dir: Path):
         for variable, value in MLFLOW_DEFAULTS.items():
@@ -301,6 +412,13 @@ class WandB:
     name = "W&B"
     where = ""
 
+    @staticmethod
+    def lasting(err: Exception) -> bool:
+        """Whether W&B refused the run (an API key, a project or entity it refuses): its outages
+        are CommErrors."""
+        from wandb.errors import AuthenticationError, UsageError
+        return isinstance(err, (AuthenticationError, UsageError))
+
     def __init__(self, run_dir: Path):
         import wandb
         from wandb.sdk.lib import runid
@@ -347,16 +465,18 @@ TRACKERS = {"mlflow": MLflow, "wandb": WandB}
 class Sender:
     """The sender's part: what rank 0 hands over waits here until the tracker takes it."""
 
-    def __init__(self, kind: str, run_dir: Path):
+    def __init__(self, kind: str, run_dir: Path, entry: str):
+        """`entry`: the tracker's entry in tracker.json, as rank 0 found it (find_entry)."""
         self.kind, self.run_dir = kind, run_dir
-        self.path, self.entry = run_dir / JobPaths.TRACKER, entry_name(kind)
+        self.path, self.entry = run_dir / JobPaths.TRACKER, entry
         self.state = read_entry(self.path, self.entry)
         self.waiting: list[list] = []
         self.hparams: dict = {}
         self.identity: dict[str, str] = {}
         self.lock, self.wake = threading.Lock(), threading.Event()
-        self.closing = self.finished = self.failing = self.named = False
-        self.code = 0
+        self.closing = self.finished = self.failing = False
+        self.named: set[bool] = set()  # (whether each kind of failure, passing or lasting, was named)
+        self.code, self.final = 0, -1
         self.backend = None
         self.opened = ""
 
@@ -374,6 +494,7 @@ class Sender:
                     self.hparams = message.get("hparams", self.hparams)
                     self.identity = message.get("identity", self.identity)
                     self.finished = message.get("finished", self.finished)
+                    self.final = message.get("final", self.final)
                     self.code = message.get("code", self.code)
                 self.wake.set()
         finally:
@@ -397,7 +518,8 @@ class Sender:
             if self.backend is None:
                 self.backend = TRACKERS[self.kind](self.run_dir)
             if not self.opened:
-                self.opened = self.backend.open(state.get("run_id", ""), self.run_dir.name, self.identity)
+                self.opened = self.backend.open(state.get("run_id", ""), state.get("name", self.run_dir.name),
+                                                self.identity)
                 if state.get("run_id") != self.opened:
                     state["run_id"] = self.opened
                     write_entry(self.path, self.entry, state)
@@ -409,7 +531,7 @@ class Sender:
                 tags["world_size"] = str(state["starts"][-1]["world_size"])
             with self.lock:  # (take() only appends: the points copied stay first until sent)
                 self.waiting = keep_waiting(self.waiting)
-                waiting = list(self.waiting)
+                waiting, final = list(self.waiting), self.final  # (the final figures come with `final`)
             for first in range(0, max(len(waiting), 1), BATCH):
                 chunk, rest = waiting[first:first + BATCH], waiting[first + BATCH:]
                 self.backend.send(self.opened, chunk, params, tags)
@@ -420,6 +542,9 @@ class Sender:
                 if chunk:  # the tracker has every point up to here (the rest of a step may be in the next chunk)
                     state["step"] = max(state.get("step", 0), min(chunk[-1][2], rest[0][2] - 1 if rest else chunk[-1][2]))
                 write_entry(self.path, self.entry, state)
+            if final >= 0 and state.get("final") != final:
+                state["final"] = final
+                write_entry(self.path, self.entry, state)
             if closing:
                 self.backend.end(self.opened, self.finished, self.code)
             if self.failing:
@@ -427,16 +552,28 @@ class Sender:
             self.failing = False
         except Exception as err:
             self.failing = True
-            if not self.named:
-                self.named = True
-                reason = (str(err).strip().splitlines() or [""])[0]
-                reason = reason if len(reason) <= 200 else reason[:200] + " ..."
-                print(f"warning: {self.label()} failed ({type(err).__name__}: {reason}); training goes on, and it gets "
-                      "what it missed when it answers again", file=sys.stderr, flush=True)
+            lasting = isinstance(err, ImportError) or TRACKERS[self.kind].lasting(err)
+            if lasting not in self.named:
+                self.named.add(lasting)
+                print(failure_line(self.label(), err, lasting), file=sys.stderr, flush=True)
 
     def label(self) -> str:
         where = getattr(self.backend, "where", "")
         return f"the tracker {TRACKERS[self.kind].name}" + (f" at {where}" if where else "")
+
+
+def failure_line(label: str, err: Exception, lasting: bool) -> str:
+    """The line that names a failing tracker: an outage, which passes by itself, or an error that
+    will not (a store or a credential refused), which the user mends."""
+    reason = (str(err).strip().splitlines() or [""])[0]
+    # (MLflow ends its messages with the way out: the end is kept with the start)
+    reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-200:]}"
+    if lasting:
+        return (f"warning: {label} refused this run ({type(err).__name__}: {reason}), which does not pass by itself: "
+                "training goes on without it; mend this and start the run again, and the tracker gets every epoch it "
+                "missed (from metrics.jsonl)")
+    return (f"warning: {label} failed ({type(err).__name__}: {reason}); training goes on, and it gets what it missed "
+            "when it answers again")
 
 
 def keep_waiting(points: list[list]) -> list[list]:
@@ -454,7 +591,7 @@ def keep_waiting(points: list[list]) -> list[list]:
     return kept
 
 
-def main(kind: str, run_dir: str) -> None:
+def main(kind: str, run_dir: str, entry: str) -> None:
     """The sender: reads rank 0's lines on stdin, sends them, and ends once stdin closes and
     what it holds is sent (or it failed). The job's signals are rank 0's to act on: a stop
     signal reaches every process of a Slurm step, and this one must outlive rank 0's save."""
@@ -462,7 +599,7 @@ def main(kind: str, run_dir: str) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     path = Path(run_dir) / JobPaths.TRACKER
     with entry_lock(path, wait=24 * 3600.0):  # (an earlier start's sender first: it ends once it has sent)
-        sender = Sender(kind, Path(run_dir))
+        sender = Sender(kind, Path(run_dir), entry)
         threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()
         sender.serve()
 

@@ -3,12 +3,15 @@ with its own SQLite store, and W&B in offline mode read back with W&B's own read
 stopped and continued, then continued on another world size from an older checkpoint, is one
 tracker run with every step once and the values of metrics.jsonl; a server stopped in
 mid-run stops nothing, is named once, and has every step once it is back; a tracker whose
-package is missing stops the run before it starts. (A Slurm job requeued: tests/cluster/
-one_node/test_tracker_on_slurm.py.)
+package is missing, or MLflow's file store, stops the run before it starts; a sqlite:/// store
+gets the run, and a server that refuses it is named as an error that does not pass by itself;
+the same server spelled another way is the same tracker run; a run rolled back with another
+--lr is a new one. (A Slurm job requeued: tests/cluster/one_node/test_tracker_on_slurm.py.)
 
     python -m pytest tests/runs/test_trackers_runs.py
 """
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -175,3 +178,80 @@ def test_a_run_whose_tracker_never_answered_gets_it_all_when_started_again(mlflo
     assert run.info.status == "FINISHED" and run.data.tags["start.1"].startswith("attempt 1/1, world size 1, from step 0")
     assert [step for step, _ in mlflow_server.history(run.info.run_id, "final/test_accuracy")] == [64]
     assert "start.2" not in run.data.tags  # (a finished run's start trains nothing, and is not one of its starts)
+
+
+def test_mlflows_file_store_is_refused_before_the_run_where_mlflow_refuses_it(workdir):
+    """The MLflow installed refuses its file store (3.13 on, without MLFLOW_ALLOW_FILE_STORE): a
+    run that asks for one stops before it starts, exit 2, in one line that names what works."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+    uri = (workdir / "mlruns").as_uri()
+    with pytest.raises(MlflowException, match="MLFLOW_ALLOW_FILE_STORE=true"):
+        MlflowClient(uri).search_experiments()
+    result = subprocess.run([sys.executable, str(SCRIPT), "--tracker", "mlflow", "--run-name", "filed"], cwd=workdir,
+                            env=clean_env(MLFLOW_TRACKING_URI=uri), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"mnist_ddp.py: error: --tracker mlflow: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow "
+        f"{importlib.metadata.version('mlflow')} refuses: use a server (http://host:5000) or a database every node "
+        "reaches (sqlite:////project/mlflow.db), or export MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
+    assert not (workdir / "runs").exists()
+
+
+def test_a_database_store_gets_the_run_and_a_refusal_is_named_as_one(mlflow_server, workdir):
+    """sqlite:////path, which the refusal of a file store names, gets the run's epochs; a server
+    that refuses the run (an experiment id it lacks) is named once as an error that does not
+    pass by itself, and training goes on."""
+    args = ["--epochs", "1", "--image-every", "0", "--tracker", "mlflow"]
+    database = f"sqlite:///{workdir / 'mlflow.db'}"
+    assert_ok(run_single([*args, "--run-name", "db"], workdir, MLFLOW_TRACKING_URI=database))
+    from mlflow.tracking import MlflowClient
+    (run,) = MlflowClient(database).search_runs(["0"], filter_string="attributes.run_name = 'db'")
+    records = read_metrics(workdir / "runs" / "db")
+    assert [(m.step, m.value) for m in MlflowClient(database).get_metric_history(run.info.run_id, "test/accuracy")] == \
+        [(r["step"], pytest.approx(r["test_accuracy"])) for r in records] and run.info.status == "FINISHED"
+    refused = run_single([*args, "--run-name", "refused"], workdir, MLFLOW_TRACKING_URI=mlflow_server.uri,
+                         MLFLOW_EXPERIMENT_ID="424242")
+    assert_ok(refused)
+    (line,) = [line for line in refused.stderr.splitlines() if "the tracker MLflow" in line]
+    assert line.startswith(f"warning: the tracker MLflow at {mlflow_server.uri} refused this run (RestException: "
+                           "RESOURCE_DOES_NOT_EXIST: ") and line.endswith(
+        "which does not pass by itself: training goes on without it; mend this and start the run again, and the tracker "
+        "gets every epoch it missed (from metrics.jsonl)"), line
+
+
+def test_the_same_server_spelled_another_way_is_the_same_tracker_run(mlflow_server, workdir):
+    """Stopped at step 20 with MLFLOW_TRACKING_URI=http://127.0.0.1:PORT, continued with
+    http://localhost:PORT/: one MLflow run, FINISHED, with every epoch once, and one entry in
+    tracker.json."""
+    args = ["--epochs", "1", "--run-name", "respelled", "--tracker", "mlflow", "--image-every", "0"]
+    stopped = run_single([*args, "--interrupt-at", "20:USR1"], workdir, MLFLOW_TRACKING_URI=mlflow_server.uri)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    respelled = mlflow_server.uri.replace("127.0.0.1", "localhost") + "/"
+    assert_ok(run_single(args, workdir, MLFLOW_TRACKING_URI=respelled))
+    run = mlflow_server.run_named("respelled")
+    run_dir = workdir / "runs" / "respelled"
+    assert run.info.status == "FINISHED" and "start.2" in run.data.tags
+    assert list(json.loads((run_dir / "tracker.json").read_text())) == [f"mlflow {mlflow_server.uri}"]
+    assert_each_epoch_once(mlflow_server, run.info.run_id, run_dir)
+
+
+def test_a_run_rolled_back_with_changed_options_is_a_new_tracker_run(mlflow_server, workdir):
+    """A finished run of 2 epochs resumed from its checkpoint of step 32 with --allow-changes
+    --lr: a new MLflow run, named for the step it goes on from, has the new timeline's values
+    at every step (those of metrics.jsonl), and the first run keeps its own."""
+    args = ["--epochs", "2", "--run-name", "rolled", "--tracker", "mlflow", "--image-every", "0"]
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
+    assert_ok(run_single(args, workdir, **env))
+    run_dir = workdir / "runs" / "rolled"
+    first = {r["step"]: r["lr"] for r in read_metrics(run_dir)}
+    again = run_single([*args, "--resume", str(run_dir / "checkpoints" / "ckpt-00000032.pt"), "--allow-changes",
+                        "--lr", "0.0003"], workdir, **env)
+    assert_ok(again)
+    assert "MLflow: a new run, 'rolled from step 32', for the steps from 32 on with changed options" in again.stdout
+    earlier, later = mlflow_server.run_named("rolled"), mlflow_server.run_named("rolled from step 32")
+    assert mlflow_server.history(earlier.info.run_id, "train/lr") == [(s, pytest.approx(lr)) for s, lr in first.items()]
+    assert_each_epoch_once(mlflow_server, later.info.run_id, run_dir)
+    assert first[64] != pytest.approx(read_metrics(run_dir)[-1]["lr"]) and later.data.params["lr"] == "0.0003"
+    assert [step for step, _ in mlflow_server.history(later.info.run_id, "final/test_accuracy")] == [64]
+    assert later.info.status == "FINISHED" and later.data.tags["earlier_run"].startswith(earlier.info.run_id)

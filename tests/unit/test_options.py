@@ -215,3 +215,28 @@ def test_a_tracker_that_cannot_be_used_is_one_line_before_the_run_starts(monkeyp
     with pytest.raises(UsageError, match=rf"^--tracker wandb needs the wandb package, which {re.escape(sys.executable)} "
                                          "lacks: pip install wandb$"):
         check_run_options(RunOptions(tracker="wandb"))
+
+
+@pytest.mark.parametrize("uri", ["file:///project/mlruns", "/project/mlruns", "./mlruns"])
+def test_mlflows_file_store_is_refused_before_the_run_where_mlflow_refuses_it(monkeypatch, uri):
+    """MLflow 3.13 and later refuse their file store unless MLFLOW_ALLOW_FILE_STORE is true: the
+    run would train with a tracker that gets nothing. A database or a server is taken."""
+    import importlib.metadata
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.17.2")
+    with pytest.raises(UsageError) as refused:
+        check_run_options(RunOptions(tracker="mlflow"))
+    assert str(refused.value) == (f"--tracker mlflow: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow "
+                                  "3.17.2 refuses: use a server (http://host:5000) or a database every node reaches "
+                                  "(sqlite:////project/mlflow.db), or export MLFLOW_ALLOW_FILE_STORE=true to keep the "
+                                  "file store")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    check_run_options(RunOptions(tracker="mlflow"))
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.12.1")
+    check_run_options(RunOptions(tracker="mlflow"))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.17.2")
+    for taken in ("sqlite:////project/mlflow.db", "http://mlflow.lab:5000", "https://mlflow.lab", "databricks"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", taken)
+        check_run_options(RunOptions(tracker="mlflow"))
