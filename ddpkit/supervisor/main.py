@@ -111,6 +111,9 @@ class Supervisor:
         self.resubmit = ""  # the beginning of the sbatch line that continues the run (resubmit_line)
         self.handed_over = dict(os.environ)  # the job's environment before the supervisor sets any (for CHAIN)
         self.not_requeued = False  # a stop asked for a requeue, and Slurm did not make it
+        # Slurm accepted the requeue but had not ended the job when the wait for it ran out: Slurm
+        # runs this job again, which continues the run (the END line and the line after it say so).
+        self.requeued = False
         # This job started again with nodes left out (a requeue that left them out): it is not
         # requeued a second time to leave a node out (each round might leave out another).
         self.left_out_at_start = False
@@ -289,7 +292,7 @@ class Supervisor:
                 f"and no count of them from MIN_NODES={s.min_nodes} up, {per_node}, keeps the global batch"
             self.stop_monitor()
             self.requeue(f"exit {outcome.status}: {lost}, {why}")
-            outcome.why += f"; then {lost}, {why}, and it was not requeued"
+            outcome.why += f"; then {lost}, {why}" + ("" if self.requeued else ", and it was not requeued")
             return None
         s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
         if leaves_out:  # (srun then runs the step on exactly the nodes chosen, rank 0 on the first)
@@ -469,6 +472,7 @@ class Supervisor:
             signal.signal(signal.SIGTERM, held_off[0])
         if requeued:
             time.sleep(REQUEUE_WAIT)  # (Slurm ends this process now; past this, the END line tells)
+            self.requeued = True
         else:
             self.not_requeued = True
 
@@ -476,27 +480,30 @@ class Supervisor:
         """The job that continues the run, when CHAIN asks for it and Slurm did not requeue this
         one after a stop that needed it; the END line, the job's outcome in RUN_DIR/exit-code
         (for sweep.py summary and whoever reads the run directory), and the line that continues
-        the run, or where a job already continues it, that job (the line, run again, would
-        queue a second one)."""
+        the run, or where a job already continues it (the one CHAIN submitted, or this one,
+        requeued), that job (the line, run again, would queue a second one)."""
         s, status = self.s, outcome.status
         line = self.continue_line() if status not in (0, EXIT_USAGE) else ""
         # Not after a finished run (0) nor a failure that a new job would repeat (1, 2, 3).
         chains = self.not_requeued and s.chain and status not in (0, EXIT_BUG, EXIT_USAGE, EXIT_DIVERGED)
         queued = self.queued_successor() if chains else ""
         next_job = self.chain(line) if chains and not queued else ""
-        said = how_it_ended(outcome, attempts, s.max_restarts, next_job)
+        said = how_it_ended(outcome=outcome, attempts=attempts, max_restarts=s.max_restarts, next_job=next_job,
+                            requeued=self.requeued)
         print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{said}", flush=True)
-        # Not when another job holds the run directory: that one's outcome is still to come.
-        if not os.path.exists(os.path.join(s.job_dir, JobPaths.RUN_DIR_TAKEN)):
+        # Not when another job holds the run directory, nor once requeued: their outcome is still to come.
+        if not self.requeued and not os.path.exists(os.path.join(s.job_dir, JobPaths.RUN_DIR_TAKEN)):
             try:
                 os.makedirs(s.run_dir, exist_ok=True)
                 with open(os.path.join(s.run_dir, JobPaths.EXIT_CODE), "w") as file:
                     file.write(f"{status}\n")
             except OSError:
                 pass
-        continued_by = next_job or queued
+        continued_by = s.job if self.requeued else next_job or queued
         if continued_by:
-            print(f"nothing to submit: Slurm job {continued_by} already continues the run (squeue --job {continued_by})")
+            continues = "(this job, requeued) continues the run once Slurm runs it again" if self.requeued else \
+                "already continues the run"
+            print(f"nothing to submit: Slurm job {continued_by} {continues} (squeue --job {continued_by})")
         elif line:
             why = "to continue from the last checkpoint with a lower --lr" if status == EXIT_DIVERGED else \
                 "to continue from the newest checkpoint"
@@ -568,15 +575,18 @@ class Supervisor:
         return new
 
 
-def how_it_ended(outcome: Outcome, attempts: int, max_restarts: int, next_job: str) -> str:
+def how_it_ended(*, outcome: Outcome, attempts: int, max_restarts: int, next_job: str, requeued: bool) -> str:
     """What the END line says after the exit code: after a failure a restart may fix, whether
     the restarts ran out (gave up) or the job ended with some unused (its nodes: requeued, or
-    not); and the job CHAIN submitted to continue the run."""
+    not); and what continues the run: this job, requeued (Slurm accepted it and runs the job
+    again), or the job CHAIN submitted."""
     said = ""
     if outcome.retry and attempts > max_restarts:
         said = f" gave up after {attempts} attempts ({outcome.why}; MAX_RESTARTS={max_restarts})"
     elif outcome.retry:
         said = f" ended after {attempts} of {max_restarts + 1} attempts ({outcome.why})"
+    if requeued:
+        return said + " requeued: Slurm accepted it and runs this job again, which continues the run"
     return said + (f" chained: Slurm job {next_job} continues the run" if next_job else "")
 
 

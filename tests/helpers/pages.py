@@ -29,8 +29,10 @@ def quote_pattern(quote: str) -> re.Pattern:
 
 def quotes(page: str, start: str) -> list[str]:
     """The `code` spans of a page (a path under the project) that begin with `start`, each on
-    one line as Markdown reads a span that a line break cuts."""
-    spans = re.findall(r"`([^`]+)`", (ROOT / page).read_text())
+    one line as Markdown reads a span that a line break cuts. (A fenced block's ``` would pair
+    the backticks after it wrongly: the blocks are left out.)"""
+    text = re.sub(r"^```.*?^```[^\n]*$", "", (ROOT / page).read_text(), flags=re.S | re.M)
+    spans = re.findall(r"`([^`]+)`", text)
     return [" ".join(span.split()) for span in spans if span.startswith(start)]
 
 

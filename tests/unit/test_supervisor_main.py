@@ -21,6 +21,7 @@ from ddpkit.contract import JobEnv, JobPaths
 from ddpkit.supervisor.main import Supervisor
 from ddpkit.supervisor.outcome import Outcome
 from helpers.cluster import SBATCH_FILE
+from helpers.pages import assert_quoted_whole
 from helpers.processes import ROOT, clean_env
 from helpers.supervisor import LINE, settings, stand_in_project
 
@@ -370,16 +371,49 @@ def test_nothing_is_chained_where_no_stop_asked_for_a_requeue(tmp_path, codes, e
     assert line.startswith(f"to continue from the newest checkpoint, from {tmp_path}: SHARED_DIR=")
 
 
-def test_nothing_is_chained_after_a_requeue_slurm_accepted_however_slowly(tmp_path):
-    """CHAIN=2, a stop on SIGUSR1, and Slurm accepts the requeue but has not ended the job when
-    the supervisor's wait for it ends: the job is requeued, so it chains nothing."""
+REQUEUED = " requeued: Slurm accepted it and runs this job again, which continues the run"
+CONTINUED_BY_77 = ("nothing to submit: Slurm job 77 (this job, requeued) continues the run once Slurm runs it again "
+                   "(squeue --job 77)")
+
+
+@pytest.mark.parametrize("chain", ["2", "0"])
+def test_nothing_is_chained_after_a_requeue_slurm_accepted_however_slowly(tmp_path, chain):
+    """A stop on SIGUSR1, and Slurm accepts the requeue but has not ended the job when the
+    supervisor's wait for it ends: the job is requeued, so it chains nothing (CHAIN=2); its END
+    line says it was requeued, and after it, in place of a line to submit (run as told, it
+    would queue a second job for the run), one line says this job continues the run. The run
+    directory keeps no exit code meanwhile (the job runs again)."""
     (tmp_path / "shows-77").write_text(LINE + "\n")
     (tmp_path / "requeue-accepted").touch()
-    ranks_leave(tmp_path, "75 75")
-    result = supervised_job(tmp_path, "75", ["--epochs", "3"], requeue_wait=1, CHAIN="2")
+    ranks_leave(tmp_path, "75 75", "--epochs 3")
+    result = supervised_job(tmp_path, "75", ["--epochs", "3"], requeue_wait=1, CHAIN=chain)
     assert result.returncode == 75, result.stdout + result.stderr
     assert "requeueing Slurm job 77 after SIGUSR1; it resumes from its last checkpoint" in result.stdout
     assert sbatch_calls(tmp_path) == [] and not re.search(r"chain(ed|ing)? (Slurm|the|another)", result.stdout)
+    end, line = result.stdout.splitlines()[-2:]
+    assert re.fullmatch(rf"END \S+ job=77 exit=75{REQUEUED}", end) and line == CONTINUED_BY_77, result.stdout
+    for printed in (end, line):
+        assert_quoted_whole("docs/recovery.md", printed)
+    assert "sbatch" not in result.stdout.partition("\nEND ")[2]
+    assert not (tmp_path / "runs" / "job-77" / JobPaths.EXIT_CODE).exists()
+
+
+def test_a_job_requeued_for_too_few_nodes_slurm_accepted_slowly_says_it_was_requeued(tmp_path):
+    """A 2-node job loses a node (MIN_NODES unset: every node) and Slurm accepts the requeue but
+    has not ended the job when the supervisor's wait for it ends: its END line says the job was
+    requeued, not "not requeued", and after it one line says this job continues the run, in
+    place of a line to submit."""
+    (tmp_path / "shows-77").write_text(LINE + " NumNodes=1 NodeList=n1\n")
+    (tmp_path / "requeue-accepted").touch()
+    result = supervised_job(tmp_path, "137", ["--epochs", "3"], requeue_wait=1, CHAIN="2", SLURM_JOB_NUM_NODES="2",
+                            SLURM_NTASKS="4")
+    assert result.returncode == 137, result.stdout + result.stderr
+    lost = ("rank 0 1 2 3 ended without an exit code: killed by a signal (srun's lines above say which); then "
+            "the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 (unset: every node of the job)")
+    end, line = result.stdout.splitlines()[-2:]
+    assert re.fullmatch(rf"END \S+ job=77 exit=137 ended after 1 of 4 attempts \({re.escape(lost)}\){REQUEUED}", end), end
+    assert line == CONTINUED_BY_77 and sbatch_calls(tmp_path) == [], result.stdout
+    assert_quoted_whole("docs/recovery.md", end)
 
 
 def test_a_job_that_hands_the_run_on_before_max_restarts_does_not_say_it_gave_up(tmp_path):
