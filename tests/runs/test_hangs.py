@@ -93,6 +93,29 @@ def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_f
     print(verdict.group(0))
 
 
+@pytest.mark.slow
+def test_a_rank_that_stops_at_start_up_is_named_before_the_first_step_and_the_other_ends_with_exit_4(tiny_folder, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) one second after it joined the process group (a test-only
+    hook), before any training step, wherever it then is: staging, the data, the broadcast of
+    rank 0's weights. Rank 0 waits for it in the next collective; past --hang-after a line names
+    rank 1, stopped, and rank 0's wait, before any step ran, and --dist-timeout then ends rank 0
+    with the lost peer's code."""
+    args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "1", "--dist-timeout", "20", "--hang-after", "5",
+            "--run-dir", "run"]
+    code, err = run_with_rank_1_hung(args, tmp_path, env={"AID_STOP": "1:1"})
+    assert code == EXIT_LOST_PEER, err[-3000:]
+    verdict = re.search(r"^hang at start-up, before the first step: rank 1 on (\S+) is stopped \(state T, [^;]*; rank\(s\) 0 "
+                        r"wait for it in (.+) for \d+ s; every rank's stacks: (\S+); --dist-timeout ends the wait$", err, re.M)
+    assert verdict and verdict.group(1) == HOST, err[-3000:]
+    print(verdict.group(0))
+    assert err.index(verdict.group(0)) < err.index("error: ")
+    assert re.search(r"error: (lost contact with another rank during |waited 20 s \(--dist-timeout\) for the lock )", err)
+    assert (Path(verdict.group(3)) / "verdict.txt").exists()
+    assert re.match(r"rank 0 on \S+ \(pid \d+\), at start-up, before the first step: waits in ",
+                    (Path(verdict.group(3)) / f"rank-0-{HOST}.txt").read_text())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 # A user's backward hook, reached from outside the recipe as a library's would be: a
 # sitecustomize on PYTHONPATH hooks the gradient of the model's output, so it runs inside
 # loss.backward(); on rank 1 it never returns from the 8th backward pass.
