@@ -59,8 +59,9 @@ Exit codes
    2  a problem you can fix: one line on stderr says what to do
    3  the loss or the weights stopped being finite; nothing bad was saved (the line says
       how to resume with a lower --lr)
-   4  lost contact with another rank (it died, or hung past --dist-timeout); the line
-      names the operation and the step. Nothing saved is lost: run it again, as
+   4  lost contact with another rank (it died, or hung past --dist-timeout), or waited
+      that long for the data directory's lock; the line names the operation and the
+      step, or the lock's holder. Nothing saved is lost: run it again, as
       run_training.sbatch does by itself (MAX_RESTARTS)
    5  a fault of this rank's node's GPU (ECC, NVLink, a busy device), from CUDA or NCCL;
       run it again, as run_training.sbatch does, which leaves out a node that two

@@ -32,6 +32,7 @@ class Runtime:
     device: torch.device
     backend: str            # "gloo", "nccl", or "none" for a single process
     is_main: bool
+    timeout: float = RunOptions.dist_timeout  # --dist-timeout: the longest wait on another rank or process
 
 
 # CUDA builds on PyTorch's own index, oldest first; a driver runs builds up to its CUDA version.
@@ -174,13 +175,13 @@ def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
     if launch.num_threads:
         torch.set_num_threads(launch.num_threads)
     if launch.world_size == 1:
-        return Runtime(0, 0, 1, device, "none", True)
+        return Runtime(0, 0, 1, device, "none", True, config.dist_timeout)
     with collective("joining the process group"):
         dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                                 rank=launch.rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=config.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-    return Runtime(launch.rank, launch.local_rank, launch.world_size, device, backend, launch.rank == 0)
+    return Runtime(launch.rank, launch.local_rank, launch.world_size, device, backend, launch.rank == 0, config.dist_timeout)
 
 
 # cuBLAS's workspace setting for reproducible results (CUDA's documentation, "Results

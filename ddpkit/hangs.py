@@ -17,7 +17,9 @@ stopped (state T), in uninterruptible I/O (state D), or gone. The lowest waiting
 prints the verdict in one line. A C call that holds the interpreter's lock stops the
 watchdog thread too: faulthandler, armed by it at every look, then writes that rank's
 stacks from C. Healing is as before: --dist-timeout ends the wait, and the job starts
-again from its newest checkpoint.
+again from its newest checkpoint. The watch runs from the moment the ranks have met, right
+after the process group is made (jobs.py): a rank that never answers at start-up, in a
+barrier, the staging lock or the first broadcast of the weights, is named as in training.
 
 Standard library only: distributed.py marks its collectives here."""
 
@@ -50,8 +52,9 @@ TORCH_BACKWARD = re.compile(r"torch/autograd/")  # (where backward() hands the g
 # inside torch's collectives or backward) and OWN (its own work, a save or an evaluation,
 # which answers only when another rank already waits), or None.
 WAITS, STEP, OWN = "waits", "step", "own"
+STARTING = -1  # (as _step) this start of the run has not watched a training step yet: it starts up
 _doing: list = [None]
-_step = [0]  # the steps this rank has finished, for the report
+_step = [STARTING]  # the steps this rank has finished, for the report
 
 
 def doing(what: str | None, kind: str = WAITS) -> object:
@@ -79,6 +82,11 @@ class Peer:
     host: str
     pid: int
     node: str = ""  # its node as Slurm names it (SLURMD_NODENAME), which may differ from its host's name
+
+
+def when(step: int) -> str:
+    """When a hang came, as a report says it: after the steps finished, or at start-up."""
+    return "at start-up, before the first step" if step == STARTING else f"after step {step}"
 
 
 def default_hang_after(dist_timeout: float) -> float:
@@ -225,7 +233,9 @@ def not_waiting(summaries: dict[int, dict], peers: list[Peer]) -> list[Peer]:
 
 def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, folder: Path) -> str:
     """The one line: the ranks that have not reached the collective the others wait in,
-    their hosts and where each is; then where the stacks are."""
+    their hosts and where each is; then where the stacks are. None ("") when every rank waits
+    in the same collective, which is slow (as a Gloo group's first ones can be): no rank is
+    behind."""
     waiting = {r: s for r, s in summaries.items() if s.get("waiting")}
     labels = sorted({s["waiting"] for s in waiting.values()}, key=lambda w: -sum(s["waiting"] == w for s in waiting.values()))
     behind = []
@@ -238,13 +248,15 @@ def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, f
         else:
             busy = f" ({summary['busy']})" if summary.get("busy") else ""
             behind.append(f"rank {peer.rank} on {peer.host} is at {summary['where']}{busy}")
-    step = min((s["step"] for s in summaries.values() if "step" in s), default=0)
+    step = min((s["step"] for s in summaries.values() if "step" in s), default=STARTING)
     ranks = ", ".join(str(r) for r in sorted(waiting)) or "none"
+    if not behind and len(labels) == 1:  # (a slow collective, the network's or the backend's: no rank to name)
+        return ""
     if not behind:
         every = "; ".join(f"rank {r} in {s['waiting']} at {s['where']}" for r, s in sorted(waiting.items()))
-        return (f"hang after step {step}: every rank waits in a collective, not all in the same one? {every}; every "
+        return (f"hang {when(step)}: every rank waits in a collective, not all in the same one? {every}; every "
                 f"rank's stacks: {folder}")
-    return (f"hang after step {step}: {'; '.join(behind)}; rank(s) {ranks} wait for it in {' / '.join(labels)} "
+    return (f"hang {when(step)}: {'; '.join(behind)}; rank(s) {ranks} wait for it in {' / '.join(labels)} "
             f"for {waited:.0f} s; every rank's stacks: {folder}")
 
 
@@ -271,7 +283,6 @@ class HangWatch:
         self.thread = threading.Thread(target=self.watch, name="hang-watch", daemon=True)
 
     def start(self) -> "HangWatch":
-        remove_empty(self.folder.parent, keep=self.folder)  # (left by attempts that were killed)
         self.arm_faulthandler()  # (from here: a lock held before the thread's first look is caught too)
         self.thread.start()
         return self
@@ -292,6 +303,11 @@ class HangWatch:
         for folder in (self.folder, self.folder.parent):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # (only when empty)
+
+    def tidy_earlier_attempts(self) -> None:
+        """Once the run's directory is held (another run of the same name may still use it
+        before): the empty files and folders of earlier attempts, killed, go."""
+        remove_empty(self.folder.parent, keep=self.folder)
 
     def forget_a_resolved_hang(self) -> None:
         """Once the run finished a step after the one a verdict named ranks at, the wait ended:
@@ -344,7 +360,7 @@ class HangWatch:
         doing_now = (f"waits in {waits}" if waits else f"is busy {what}" if kind == OWN else
                      f"runs code outside the recipe, ddpkit and torch, before {what}" if running_other else
                      f"has not reached {what}")
-        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), after step {_step[0]}: {doing_now} for "
+        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), {when(_step[0])}: {doing_now} for "
                         f"{waited:.0f} s, at {where}\n")
         self.file.flush()
         faulthandler.dump_traceback(self.file, all_threads=True)
@@ -373,6 +389,8 @@ class HangWatch:
         summaries = self.read_summaries(since)
         if min(r for r, s in summaries.items() if s.get("waiting")) == self.rank:
             line = verdict_line(summaries, self.peers, time.monotonic() - since, self.folder)
+            if not line:
+                return
             (self.folder / "verdict.txt").write_text(line + "\n")
             print(f"{line}; --dist-timeout ends the wait", file=self.stream, flush=True)
             if behind := not_waiting(summaries, self.peers):

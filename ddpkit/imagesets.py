@@ -170,7 +170,7 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
     """(train, test) of --dataset (a name of staging.DATASET_CLASSES, or "folder") staged in
     data_dir, fed as --data-feed `wanted` says (each rank decides; the first of each node says how)."""
     if dataset == "folder":
-        listing, facts = read_folder(data_dir, verbose=rt.is_main)
+        listing, facts = read_folder(data_dir, verbose=rt.is_main, rt=rt)
         size, load = folder_bytes(listing, facts), functools.partial(folder_image_sets, listing, facts)
     else:
         spec = MNIST_LIKE[dataset]
@@ -303,15 +303,16 @@ class FolderFacts:
     std: tuple[float, ...]
 
 
-def read_folder(root: Path, verbose: bool = True) -> tuple[FolderListing, FolderFacts]:
+def read_folder(root: Path, verbose: bool = True, rt: Runtime | None = None) -> tuple[FolderListing, FolderFacts]:
     """The images of ROOT/train/<class>/* and ROOT/test/<class>/* (PNG and JPEG, all of one
     size), and their shape and statistics (cached, or measured once). `verbose` (say, rank 0
-    only) prints the warnings and the one-off statistics line."""
+    only) prints the warnings and the one-off statistics line; `rt`'s --dist-timeout bounds
+    the wait for the data lock."""
     listing = list_folder(root)
     if listing.ignored and verbose:
         print(f"warning: ignored {len(listing.ignored)} file(s) in {root} that are not PNG or JPEG, e.g. "
               f"{listing.ignored[0]}", file=sys.stderr, flush=True)
-    return listing, folder_facts(root, listing, verbose)
+    return listing, folder_facts(root, listing, verbose, rt)
 
 
 def folder_bytes(listing: FolderListing, facts: FolderFacts) -> int:
@@ -506,14 +507,14 @@ def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
     return ""
 
 
-def folder_facts(root: Path, listing: FolderListing, verbose: bool) -> FolderFacts:
+def folder_facts(root: Path, listing: FolderListing, verbose: bool, rt: Runtime | None = None) -> FolderFacts:
     """Shape and pixel statistics: from the cache, else measured once and cached, under the
     data lock so that the ranks and jobs sharing the folder measure it only once."""
     if facts := read_stats_cache(root, listing.fingerprint):
         return facts
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(data_lock(root))
+            held.enter_context(data_lock(root, rt=rt))
             problem = ""
         except UsageError:  # a read-only folder still trains; it only cannot remember the statistics
             problem = f"cannot write to {root}"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ddpkit import hangs
 from ddpkit.checkpoints import (
     Progress,
     agree_on_checkpoint,
@@ -59,6 +60,7 @@ from ddpkit.launch import (
     PROG,
     AlreadyComplete,
     Diverged,
+    HeldUp,
     Launch,
     StartupClock,
     Stopped,
@@ -73,7 +75,7 @@ from ddpkit.launch import (
 )
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
 from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
-from ddpkit.rundir import RunClaim, claim_run_dir
+from ddpkit.rundir import RunClaim, agree_on_run_dir, claim_run_dir
 from ddpkit.runlog import (
     HParams,
     NullLogger,
@@ -181,6 +183,8 @@ class Job:
     on_divergence: Mapping[str, str] = dataclasses.field(default_factory=dict)
     startup: StartupClock = dataclasses.field(default_factory=StartupClock)  # rank 0 prints `ready in` at the first step
     hang_watch: HangWatch | None = None  # this rank's watchdog (several ranks), once the ranks have met
+    peers: list[Peer] = dataclasses.field(default_factory=list)  # every rank, once they have met
+    new_run_dir: bool = False  # the run's directory is this start's: removed at the end if it stays empty
 
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
@@ -199,15 +203,16 @@ class Job:
         rt = self.rt
         self.on_divergence = on_divergence
         self.claim_run_dir()
+        if self.hang_watch and self.claim:  # (before, another run of this name may have used them)
+            self.hang_watch.tidy_earlier_attempts()
         batch_size = split(rt.world_size)
         ckpt_path, changed, loss_sums = self.resume(state, global_batch=batch_size * rt.world_size, epochs=epochs,
                                                     max_steps=max_steps, classes=classes, shape=shape)
         progress = self.progress
         plan = plan_run(progress, images=images, world_size=rt.world_size, batch_size=batch_size, epochs=epochs,
                         max_steps=max_steps, classes=classes, shape=shape)
-        peers, attempt_started = self.meet_the_other_ranks()
+        peers = self.peers
         hosts = [peer.host for peer in peers]
-        self.watch_for_hangs(peers, attempt_started)
         # Going on from an earlier point than the newest checkpoints (see set_aside_checkpoints),
         # or from a file elsewhere: first save where the run stands, as checkpoints/ckpt-<step>.
         here = checkpoint_path(self.run_dir, progress.step)
@@ -234,7 +239,7 @@ class Job:
 
     def claim_run_dir(self) -> None:
         """The run's directory, held by this run (see rundir.py), cleared of unfinished saves."""
-        self.run_dir, self.claim = claim_run_dir(self.options, self.launch, self.rt)
+        self.claim = claim_run_dir(self.options, self.launch, self.rt, self.run_dir)
         if self.claim:  # holding the directory: no other run's save can be under way in it
             for path in remove_stale_temporaries(self.run_dir):
                 print(f"removed {path}, left by a save that never finished", file=sys.stderr, flush=True)
@@ -263,15 +268,23 @@ class Job:
         progress.finished = False
         return ckpt_path, changed, loss_sums
 
-    def meet_the_other_ranks(self) -> tuple[list[Peer], str]:
-        """Every rank's host, process id and Slurm node, in rank order, and when rank 0 started
-        this attempt (the name of its hang reports' folder); the job's attempt becomes the
-        highest any rank counts (torchrun's agents count their restarts each on their own)."""
+    def meet_the_other_ranks(self) -> None:
+        """Right after the process group is made: the run's directory (rank 0's choice), every
+        rank's host, process id and Slurm node, in rank order; then, with several ranks, the
+        hang watch, so that a rank that never answers at start-up (in a barrier, the staging
+        lock, the first broadcast of the weights) is named as in training. The job's attempt
+        becomes the highest any rank counts (torchrun's agents count their restarts each on
+        their own)."""
+        self.run_dir, self.new_run_dir = agree_on_run_dir(self.options, self.launch, self.rt)
         starts = gather_to_all((socket.gethostname(), self.launch.attempt, os.getpid(), time.strftime("%Y%m%d-%H%M%S"),
                                 self.launch.node), "sharing the host names")
         self.launch = dataclasses.replace(self.launch, attempt=max((start[1] for start in starts),
                                                                    key=lambda a: int(a.split("/")[0])))
-        return [Peer(rank, host, pid, node) for rank, (host, _, pid, _, node) in enumerate(starts)], starts[0][3]
+        self.peers = [Peer(rank, host, pid, node) for rank, (host, _, pid, _, node) in enumerate(starts)]
+        self.watch_for_hangs(self.peers, attempt_started=starts[0][3])
+        # Until the first step, each rank's own work (the data, the model) answers for it when
+        # another rank waits; the collectives in between are labelled as themselves.
+        hangs.doing("starting up (the data, the model, the checkpoint)", hangs.OWN)
 
     def watch_for_hangs(self, peers: list[Peer], attempt_started: str) -> None:
         """With several ranks, this rank's watchdog: a wait on the others longer than --hang-after
@@ -436,11 +449,15 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
         with startup.phase("process group"):
             rt = init_distributed(options, launch)
         job = Job(recipe, options, launch, rt, stop, who, startup=startup)
+        if not options.download_only:  # (staging alone starts no run)
+            job.meet_the_other_ranks()
         code = run_body(body, job)
     except UsageError as err:
         code = fail(err, who=who)
     except Diverged as err:
         code = fail(err, EXIT_DIVERGED, who)
+    except HeldUp as err:
+        code = fail(err, EXIT_LOST_PEER, who)
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         code = fail(INTERRUPTED, 128 + signal.SIGINT, who)
     except Exception as err:
@@ -514,6 +531,9 @@ def end_job(code: int, launch: Launch | None, job: Job | None) -> None:
             job.logger.close(code)
         if job.claim:
             job.claim.release(code)
+        elif job.new_run_dir:  # (every rank tries: the last one to leave it finds it empty)
+            with contextlib.suppress(OSError):
+                job.run_dir.rmdir()
     if code == 0:
         record_exit(code, launch)
     teardown_distributed(together=code in (0, EXIT_STOPPED))

@@ -31,6 +31,11 @@ class Diverged(Exception):
     """The loss stopped being finite: printed as one line, exit code 3, nothing saved."""
 
 
+class HeldUp(Exception):
+    """Another process held this one up past --dist-timeout outside a collective (it holds the
+    data lock): exit 4, as a lost peer, which a restart may fix; the message is the line."""
+
+
 class Stopped(Exception):
     """A stop signal was agreed on and a checkpoint saved (its path is the argument): the
     job runner requeues the job or says how to continue, and exits 75."""

@@ -89,22 +89,44 @@ class RunClaim:
         self.file.close()
 
 
-def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime) -> tuple[Path, RunClaim | None]:
-    """Rank 0 chooses and claims the run's directory, and tells every rank which it is."""
-    claim, choice = None, ["", ""]
+def agree_on_run_dir(config: RunOptions, launch: Launch, rt: Runtime) -> tuple[Path, bool]:
+    """Rank 0 chooses the run's directory (choose_run_dir) and tells every rank, right after
+    the process group is made (the hang reports of the start-up go there): (it, whether it is
+    new, a directory this start made or will make, which end_job removes again if the start
+    left nothing in it)."""
+    choice = ["", False, ""]
     if rt.is_main:
         try:
-            claim = RunClaim(choose_run_dir(config, launch))
-            choice = [str(claim.run_dir), ""]
+            if config.run_dir or config.run_name or launch.job_id:
+                path = choose_run_dir(config, launch)
+                choice = [str(path), not path.exists(), ""]
+            else:  # a new directory named by the time, made here
+                choice = [str(choose_run_dir(config, launch)), True, ""]
+        except OSError as err:  # a log directory that is a file, read-only or full
+            choice = ["", False, storage_problem(err, config)]
+            if not choice[2]:
+                raise
+    run_dir, new, error = broadcast_from_main(choice, "sharing the run directory's name")
+    if error:
+        raise UsageError(error if rt.is_main else "rank 0 cannot use the run directory; see its error")
+    return Path(run_dir), new
+
+
+def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime, run_dir: Path) -> RunClaim | None:
+    """Rank 0 claims the run's directory (agree_on_run_dir's), and tells every rank whether it could."""
+    claim, error = None, ""
+    if rt.is_main:
+        try:
+            claim = RunClaim(run_dir)
         except UsageError as err:
-            choice = ["", str(err)]
+            error = str(err)
             if isinstance(err, RunDirTaken):  # so the batch file leaves that run's files alone
                 write_exit_file(launch, JobPaths.RUN_DIR_TAKEN, "")
         except OSError as err:  # a log directory that is a file, read-only or full
-            choice = ["", storage_problem(err, config)]
-            if not choice[1]:
+            error = storage_problem(err, config)
+            if not error:
                 raise
-    run_dir, error = broadcast_from_main(choice, "sharing the run directory's name")
+    error = broadcast_from_main(error, "claiming the run directory")
     if error:
         raise UsageError(error if rt.is_main else "rank 0 cannot use the run directory; see its error")
-    return Path(run_dir), claim
+    return claim

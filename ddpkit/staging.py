@@ -11,24 +11,29 @@ import errno
 import fcntl
 import hashlib
 import io
+import json
 import os
 import shutil
 import socket
 import stat as stat_lib
 import sys
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_ranks_agree
-from ddpkit.launch import PROG, UsageError
+from ddpkit.launch import PROG, HeldUp, UsageError
 from ddpkit.options import RunOptions
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (imagesets.py)
+LOCK_FILE = ".mnist_ddp.lock"  # a data directory's lock, which names its holder (data_lock)
+LOCK_NOTICE = 5.0  # seconds of waiting for the lock after which a line says who holds it
 
 
 DIGITS = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight",
@@ -66,19 +71,79 @@ MNIST_LIKE = {"mnist-sample": MNIST_SAMPLE, "mnist": MNISTLike("MNIST", DIGITS, 
 
 
 @contextlib.contextmanager
-def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = ""):
+def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: Runtime | None = None):
     """Hold DATA_DIR/.mnist_ddp.lock: concurrent jobs, and nodes sharing an NFS data
     directory, take turns at writing into it. POSIX locks also work across NFS clients.
-    A directory that cannot be written is refused in one line (`lacking` says what for)."""
+    A directory that cannot be written is refused in one line (`lacking` says what for).
+    The holder writes who it is into the file (host, pid, rank, since when); a process
+    waits for it at most --dist-timeout (`rt`'s; outside a run, its default), names the
+    holder after LOCK_NOTICE seconds, and then ends with HeldUp (exit 4), naming it again:
+    a holder that stopped or hung (a rank of this job, on another node) would hold it for good."""
+    path = data_dir / LOCK_FILE
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
-        lock_file = open(data_dir / ".mnist_ddp.lock", "a")
+        lock_file = open(path, "a")
     except OSError as err:
         raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}){lacking}; pass a writable {flag}, or "
                          "stage the data into it elsewhere first") from None
     with lock_file:
-        fcntl.lockf(lock_file, fcntl.LOCK_EX)
-        yield
+        wait_for_lock(lock_file, path, rt)
+        try:
+            lock_file.truncate(0)  # (opened to append: each write lands at the end, here the start)
+            lock_file.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rt.rank if rt else None,
+                                        "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+            lock_file.flush()
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                lock_file.truncate(0)  # (the next holder names itself)
+
+
+def wait_for_lock(lock_file, path: Path, rt: Runtime | None) -> None:
+    """Take the lock of `lock_file` (at `path`), waiting at most --dist-timeout for its holder.
+    The wait is labelled for the hang watch, so that a rank of this job that holds the lock
+    and stopped is named as the one the others wait for."""
+    limit = rt.timeout if rt else Runtime.timeout
+    started, said, before = time.monotonic(), False, None
+    try:
+        while True:
+            try:
+                fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as err:
+                if err.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+            holder = lock_holder(path)
+            waited = time.monotonic() - started
+            if before is None:
+                before = hangs.doing(f"the lock {path}, held by {holder}")
+            if waited >= limit:
+                raise HeldUp(f"waited {limit:g} s (--dist-timeout) for the lock {path}, held by {holder}: that process "
+                             "stopped, hangs or is slow. Nothing saved is lost: run_training.sbatch starts the job again by "
+                             "itself (a rank of its own that holds the lock ends with it); elsewhere end that process or "
+                             "wait for it, and run the same command again") from None
+            if not said and waited >= LOCK_NOTICE:
+                print(f"{PROG}: waiting for the lock {path}, held by {holder}, for at most {limit:g} s (--dist-timeout)",
+                      file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.2)
+    finally:
+        if before is not None:
+            hangs.restore(before)
+
+
+def lock_holder(path: Path) -> str:
+    """Who holds the lock at `path`, as its holder wrote (on this host, how its process looks
+    from outside: stopped, in uninterruptible I/O, gone)."""
+    try:
+        holder = json.loads(path.read_text())
+        pid, host, rank = int(holder["pid"]), str(holder["host"]), holder.get("rank")
+        since = str(holder["since"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not said who it is"
+    seen = f", {hangs.process_state(pid)}" if host == socket.gethostname() else ""
+    who = f"rank {rank} " if isinstance(rank, int) else ""
+    return f"{who}(pid {pid} on {host}, since {since}{seen})"
 
 
 def remove_staging_leftovers(directory: Path) -> None:
@@ -128,7 +193,8 @@ def is_staged(spec: MNISTLike, data_dir: Path) -> bool:
     return all((spec.raw(data_dir) / name).is_file() for name in RAW_FILES)
 
 
-def stage_dataset(spec: MNISTLike, data_dir: Path, source: Path | None = None, flag: str = "--data-dir") -> bool:
+def stage_dataset(spec: MNISTLike, data_dir: Path, source: Path | None = None, flag: str = "--data-dir", *,
+                  rt: Runtime | None = None) -> bool:
     """Make DATA_DIR/<Name>/raw hold the unpacked files, downloaded or copied from the
     staged data directory `source`; True if it had to fetch them.
 
@@ -140,7 +206,7 @@ def stage_dataset(spec: MNISTLike, data_dir: Path, source: Path | None = None, f
     if is_staged(spec, data_dir):
         return False
     raw = spec.raw(data_dir)
-    with data_lock(data_dir, flag, f" and it does not hold {spec.name} yet"):
+    with data_lock(data_dir, flag, f" and it does not hold {spec.name} yet", rt):
         remove_staging_leftovers(data_dir)
         if is_staged(spec, data_dir):
             return False
@@ -198,14 +264,14 @@ def stage(run: RunOptions, dataset: str, rt: Runtime, check_folder: Callable[[Pa
             local = node_data_dir(run)
             if dataset in MNIST_LIKE:
                 spec = mnist_like(dataset, run.data_mirror)
-                if stage_dataset(spec, data_dir):
+                if stage_dataset(spec, data_dir, rt=rt):
                     print(f"[rank {rt.rank}] staged {spec.name} in {spec.raw(data_dir)}", flush=True)
-                if local is not None and stage_dataset(spec, local, source=data_dir, flag="--node-data-dir"):
+                if local is not None and stage_dataset(spec, local, source=data_dir, flag="--node-data-dir", rt=rt):
                     print(f"[rank {rt.rank}] copied {spec.name} to {local} on {socket.gethostname()}", flush=True)
             else:
                 if run.download_only and check_folder:
                     check_folder(data_dir)
-                if local is not None and copy_folder(data_dir, local):
+                if local is not None and copy_folder(data_dir, local, rt):
                     print(f"[rank {rt.rank}] copied {data_dir} to {local} on {socket.gethostname()}", flush=True)
         except UsageError as err:
             error = str(err)
@@ -283,7 +349,7 @@ def files_stamp(paths: list[str], root: Path) -> str:
     return hashlib.sha256("".join(stamps).encode()).hexdigest()
 
 
-def copy_folder(source: Path, local: Path) -> bool:
+def copy_folder(source: Path, local: Path, rt: Runtime | None = None) -> bool:
     """Copy an image folder's train/ and test/ (and its cached statistics) to the node-local
     directory, unless a copy of the folder as it is now is there already; True if it copied."""
     missing = [part for part in ("train", "test") if not (source / part).is_dir()]
@@ -295,7 +361,7 @@ def copy_folder(source: Path, local: Path) -> bool:
     done, stamp = local / ".copied-from", f"{source.resolve()}\n{files_stamp(every_file, source)}"
     if done.is_file() and done.read_text() == stamp:
         return False
-    with data_lock(local, "--node-data-dir"):
+    with data_lock(local, "--node-data-dir", rt=rt):
         remove_staging_leftovers(local)
         if done.is_file() and done.read_text() == stamp:
             return False

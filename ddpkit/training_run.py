@@ -378,8 +378,9 @@ class TrainingRun:
             self.judge_speed(verdict.step_ms)
 
     def watch_next_step(self) -> None:
-        """The next step is watched for a hang, but not this start's first (it compiles, allocates)."""
-        if self.progress.step > self.started_at:
+        """The next step is watched for a hang; this start's first too (a rank may stop at any
+        time), but not under --compile, where one rank may compile it long after another."""
+        if self.progress.step > self.started_at or not self.options.compile:
             hangs.next_step(self.progress.step, GRADIENT_ALL_REDUCE)
 
     def diverged(self, what: str, step: int | None = None) -> Diverged:

@@ -5,6 +5,11 @@
                        or the launcher ends it
   AID_HANG_HOST=H:N    the ranks on the host named H hang as step N ends, or as the first step
                        of a start past N does: at every start (a sick node), in Python
+  AID_STOP=R:S         rank R stops itself (SIGSTOP) S seconds after it joined the process
+                       group, at every start, wherever it then is (a node that hangs at start-up)
+  AID_STOP_HOST=H:S    the same for every rank on the host named H
+  AID_STOP_LOCKED=1    a process stops itself (SIGSTOP) as soon as it holds a data directory's
+                       lock (staging.data_lock), before it writes into the directory
   AID_SLOW=R:S         rank R sleeps S seconds before each forward pass of its model (and
                        before each of the doctor's timed training steps, --check)
   AID_SLOW_HOST=H:S    every rank on the host named H (socket.gethostname()) sleeps S seconds
@@ -18,14 +23,14 @@
                        installed (read at start-up: for a fresh interpreter, not a forked run)
 
 ddpkit holds no trace of them. A process gets them by importing this module before
-ddpkit.training_run: sitecustomize.py beside it does so at start-up in every process whose
-PYTHONPATH holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks,
-Slurm jobs), and the tests' forkserver imports it before it imports ddpkit. The module
-wraps TrainingRun's methods as ddpkit.training_run is imported, and the doctor's time_step
-as ddpkit.doctor is (or at once, if they already were). The wrappers read the variables
-when they are called, so that a run forked from a
-process that imported ddpkit before the run's environment was known reads its own; unset,
-they do nothing.
+ddpkit: sitecustomize.py beside it does so at start-up in every process whose PYTHONPATH
+holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks, Slurm jobs),
+and the tests' forkserver imports it before it imports ddpkit. The module wraps
+TrainingRun's methods as ddpkit.training_run is imported, the doctor's time_step as
+ddpkit.doctor is, init_distributed as ddpkit.distributed is and data_lock as ddpkit.staging
+is (or at once, if they already were). The wrappers read the variables when they are
+called, so that a run forked from a process that imported ddpkit before the run's
+environment was known reads its own; unset, they do nothing.
 
 It runs in every Python process of a test, the Slurm supervisor's host python3 included:
 standard library alone, nothing newer than Python 3.6, and nothing imported before it is used."""
@@ -38,6 +43,8 @@ import time
 
 TRAINING_RUN = "ddpkit.training_run"
 DOCTOR = "ddpkit.doctor"
+DISTRIBUTED = "ddpkit.distributed"
+STAGING = "ddpkit.staging"
 
 
 def fields(name):
@@ -136,7 +143,61 @@ def aid_doctor(module):
     module.time_step = time_step
 
 
-AIDED = {TRAINING_RUN: aid, DOCTOR: aid_doctor}  # module: what wraps it once it has run
+def stops_after_joining(rank):
+    """The seconds after joining the process group at which AID_STOP or AID_STOP_HOST stops
+    this rank, or None."""
+    import socket
+    stop, host = fields("AID_STOP"), fields("AID_STOP_HOST")
+    if stop and int(stop[0]) == rank:
+        return float(stop[1])
+    if host and host[0] == socket.gethostname():
+        return float(host[1])
+    return None
+
+
+def aid_distributed(module):
+    """Wrap the init_distributed of `module` (ddpkit.distributed, just imported), once: with
+    AID_STOP or AID_STOP_HOST, a thread stops the process some seconds after it returned."""
+    plain_init = module.init_distributed
+    if getattr(plain_init, "aided", False):
+        return
+
+    def init_distributed(config, launch):
+        rt = plain_init(config, launch)
+        seconds = stops_after_joining(rt.rank)
+        if seconds is not None:
+            import signal
+            import threading
+            stop = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGSTOP))
+            stop.daemon = True
+            stop.start()
+        return rt
+
+    init_distributed.aided = True
+    module.init_distributed = init_distributed
+
+
+def aid_staging(module):
+    """Wrap the data_lock of `module` (ddpkit.staging, just imported), once: with
+    AID_STOP_LOCKED=1, the process stops itself as soon as it holds the lock."""
+    plain_lock = module.data_lock
+    if getattr(plain_lock, "aided", False):
+        return
+    import contextlib
+
+    @contextlib.contextmanager
+    def data_lock(*args, **kwargs):
+        with plain_lock(*args, **kwargs):
+            if os.environ.get("AID_STOP_LOCKED") == "1":
+                import signal
+                os.kill(os.getpid(), signal.SIGSTOP)
+            yield
+
+    data_lock.aided = True
+    module.data_lock = data_lock
+
+
+AIDED = {TRAINING_RUN: aid, DOCTOR: aid_doctor, DISTRIBUTED: aid_distributed, STAGING: aid_staging}  # module: what wraps it once it has run
 
 
 class AidOnImport(importlib.abc.MetaPathFinder):

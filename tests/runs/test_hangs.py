@@ -5,7 +5,8 @@ recipe's nor torch's is named at the hook's line, and not as waiting in a collec
 GPU, from autograd's own thread); a rank that holds the others up with a slow save is
 named with its line, and the run goes on; a rank stuck with the interpreter's lock held is
 named from its faulthandler stacks; a slowed rank is named as the straggler and the speed scalars reach
-TensorBoard, and a clean run leaves no RUN_DIR/hangs; --profile writes traces and a table
+TensorBoard, and a clean run leaves no RUN_DIR/hangs; a rank that stops at start-up is named
+before the first step, and a rank whose peer never joins ends within --dist-timeout; --profile writes traces and a table
 without changing the run's results, and RUN_DIR/profile-now profiles a running run.
 ddpkit/hangs.py and stragglers.py at unit level: tests/unit/test_hangs_and_stragglers.py; the
 SIGSTOP of a rank under a real Slurm: tests/cluster/one_node/test_recovery_on_slurm.py.
@@ -26,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ddpkit.contract import EXIT_LOST_PEER
 from helpers.images import load_params, on_folder, read_results
-from helpers.processes import ROOT, assert_ok, run_as_srun
+from helpers.processes import ROOT, assert_ok, free_port, run_as_srun, run_single
 
 HOST = socket.gethostname()
 
@@ -91,6 +92,44 @@ def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_f
                         r"tests/aids/training_aids\.py:\d+ in step_done \(faulthandler's stacks\); rank\(s\) 0 wait", err, re.M)
     assert verdict and code == EXIT_LOST_PEER, err[-3000:]
     print(verdict.group(0))
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_at_start_up_is_named_before_the_first_step_and_the_other_ends_with_exit_4(tiny_folder, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) one second after it joined the process group (a test-only
+    hook), before any training step, wherever it then is: staging, the data, the broadcast of
+    rank 0's weights. Rank 0 waits for it in the next collective; past --hang-after a line names
+    rank 1, stopped, and rank 0's wait, before any step ran, and --dist-timeout then ends rank 0
+    with the lost peer's code."""
+    args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "1", "--dist-timeout", "20", "--hang-after", "5",
+            "--run-dir", "run"]
+    code, err = run_with_rank_1_hung(args, tmp_path, env={"AID_STOP": "1:1"})
+    assert code == EXIT_LOST_PEER, err[-3000:]
+    verdict = re.search(r"^hang at start-up, before the first step: rank 1 on (\S+) is stopped \(state T, [^;]*; rank\(s\) 0 "
+                        r"wait for it in (.+) for \d+ s; every rank's stacks: (\S+); --dist-timeout ends the wait$", err, re.M)
+    assert verdict and verdict.group(1) == HOST, err[-3000:]
+    print(verdict.group(0))
+    assert err.index(verdict.group(0)) < err.index("error: ")
+    assert re.search(r"error: (lost contact with another rank during |waited 20 s \(--dist-timeout\) for the lock )", err)
+    assert (Path(verdict.group(3)) / "verdict.txt").exists()
+    assert re.match(r"rank 0 on \S+ \(pid \d+\), at start-up, before the first step: waits in ",
+                    (Path(verdict.group(3)) / f"rank-0-{HOST}.txt").read_text())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peer_never_joins_ends_with_exit_4_naming_the_rendezvous(tmp_path):
+    """Rank 0 of 2, whose rank 1 never starts: the rendezvous waits at most --dist-timeout, then
+    one line names it and how many ranks came, exit 4 (the batch file starts the step again)."""
+    env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": HOST, "SLURM_STEP_NODELIST": HOST,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = run_single(["--epochs", "1", "--dist-timeout", "10", "--run-name", "alone"], cwd=tmp_path, timeout=120, **env)
+    assert result.returncode == EXIT_LOST_PEER, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    print(line)
+    assert re.match(r"mnist_ddp\.py \[rank 0/2 on \S+\]: error: lost contact with another rank during joining the process "
+                    r"group .*1/2 clients joined", line), line
 
 
 # A user's backward hook, reached from outside the recipe as a library's would be: a

@@ -3,7 +3,8 @@ that serves the bundled sample's files under MNIST's names (the tests supply the
 checksums): one rank downloads behind the barrier while the other waits, two jobs
 sharing a data directory take turns, and a missing network or a corrupt file ends in
 one actionable line on every rank, with nothing half-written left behind, and what a
-SIGKILLed stager left is removed by the next. A node-local --data-dir is expanded on
+SIGKILLed stager left is removed by the next; a stager stopped while it holds the data
+lock is named by the next, which waits for it at most --dist-timeout. A node-local --data-dir is expanded on
 the node. (The node-local copy of an image folder: tests/unit/test_node_local_copy.py.)
 
     python -m pytest tests/runs/test_staging.py
@@ -11,16 +12,20 @@ the node. (The node-local copy of an image folder: tests/unit/test_node_local_co
 
 import hashlib
 import http.server
+import re
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from helpers import preloaded
 from helpers.images import SAMPLE, make_image_folder, read_metrics
-from helpers.processes import assert_ok, clean_env, free_port, run_as_srun, run_python, run_single
+from helpers.processes import SCRIPT, assert_ok, clean_env, free_port, run_as_srun, run_python, run_single
 
 FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
 # torchvision sends two GETs per file: one that follows redirects, one for the data.
@@ -172,6 +177,35 @@ def killed_mid_copy(cls, raw):
 staging.copy_from_file_mirror = killed_mid_copy
 sys.exit(mnist_ddp.main(sys.argv[1:]))
 """
+
+
+def test_a_stager_stopped_while_it_holds_the_data_lock_is_named_by_the_next_within_dist_timeout(tmp_path):
+    """A --download-only stager stops itself (SIGSTOP) as soon as it holds the data directory's
+    lock (a test-only hook), for good. A run on the same data directory waits for the lock at
+    most --dist-timeout (10 s), saying after 5 s who holds it, then ends with exit 4 (a restart
+    may find the lock free) and one line that names the holder: its pid and host, and that it
+    is stopped."""
+    holder = subprocess.Popen([sys.executable, str(SCRIPT), "--download-only"], cwd=tmp_path,
+                              env=clean_env(AID_STOP_LOCKED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while "State:\tT" not in Path(f"/proc/{holder.pid}/status").read_text():  # (it stops holding the lock)
+            assert time.monotonic() < deadline and holder.poll() is None, "the stager never took the lock"
+            time.sleep(0.2)
+        result = run_single(["--epochs", "1", "--dist-timeout", "10", "--run-name", "waits"], cwd=tmp_path, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 4, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and "Traceback" not in result.stderr, result.stderr
+    print("\n".join(lines))
+    held_by = (rf"data/\.mnist_ddp\.lock, held by rank 0 \(pid {holder.pid} on {re.escape(socket.gethostname())}, since "
+               r"[\d: -]+, stopped \(state T, [^)]*\)\)")
+    assert re.fullmatch(rf"mnist_ddp\.py: waiting for the lock {held_by}, for at most 10 s \(--dist-timeout\)", lines[0])
+    assert re.fullmatch(rf"mnist_ddp\.py: error: waited 10 s \(--dist-timeout\) for the lock {held_by}: that process "
+                        r"stopped, hangs or is slow\. Nothing saved is lost: .*", lines[1]), lines[1]
+    assert not (tmp_path / "runs" / "waits").exists()
 
 
 def test_staging_folder_left_by_a_kill_is_removed_at_the_next_staging(tmp_path):

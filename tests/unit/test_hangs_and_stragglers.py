@@ -50,6 +50,23 @@ def test_the_verdict_names_each_rank_behind_and_how_it_was_seen():
     assert [peer.rank for peer in hangs.not_waiting(summaries, peers)] == [1, 2, 3]
 
 
+def test_a_verdict_at_start_up_says_so_and_one_slow_collective_that_every_rank_waits_in_has_none():
+    """Before the first step of a start the report says "at start-up"; every rank waiting in the
+    same collective (a slow one: a Gloo group's first, under load) names no rank and has no line;
+    ranks waiting in different ones get a line that says so."""
+    peers = [hangs.Peer(0, "a", 10), hangs.Peer(1, "b", 11)]
+    stopped = {0: {"rank": 0, "step": hangs.STARTING, "waiting": "the broadcast", "where": "ddpkit/distributed.py:3 in x"}}
+    line = hangs.verdict_line(stopped, peers, 8.2, Path("/r/hangs/x"))
+    assert line == ("hang at start-up, before the first step: rank 1 on b: no answer; rank(s) 0 wait for it in the "
+                    "broadcast for 8 s; every rank's stacks: /r/hangs/x")
+    both = {**stopped, 1: {**stopped[0], "rank": 1}}
+    assert hangs.verdict_line(both, peers, 8.2, Path("/r/hangs/x")) == ""
+    assert hangs.not_waiting(both, peers) == []
+    apart = {**both, 1: {**both[1], "waiting": "the barrier"}}
+    assert hangs.verdict_line(apart, peers, 8.2, Path("/r/hangs/x")).startswith(
+        "hang at start-up, before the first step: every rank waits in a collective, not all in the same one? ")
+
+
 def test_innermost_frame_of_the_recipe_or_the_kit_from_a_real_faulthandler_dump(tmp_path):
     """A C call that holds the interpreter's lock leaves only faulthandler's dump: its main
     thread's innermost frame in the project is found in it, frames of an environment inside

@@ -1,16 +1,18 @@
 """The supervisor's step (ddpkit/supervisor/step.py) without Slurm: the srun and torchrun step
 commands, the ranks' command line, the sbatch line that continues the run and its
-submission by CHAIN.
+submission by CHAIN, and the rendezvous address of a job of several nodes (with stand-ins
+for scontrol and ip), never a loopback one.
 
     python -m pytest tests/unit/test_supervisor_step.py
 """
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from ddpkit.contract import job_fields
-from ddpkit.supervisor.step import chained_submission, resubmit_line, step_command, training_args
+from ddpkit.supervisor.step import chained_submission, master_address, resubmit_line, step_command, training_args
 from helpers.supervisor import JOB, LINE, settings
 
 
@@ -135,3 +137,27 @@ def test_a_chained_job_is_submitted_with_its_line_alone_after_this_one(tmp_path)
     for wrong in ("python mnist_ddp.py --epochs 3", "sbatch 'x", "echo hi; sbatch run_training.sbatch"):
         with pytest.raises(ValueError):
             chained_submission(wrong, "7", env)
+
+
+def stand_in(folder: Path, name: str, prints: str) -> None:
+    """An executable `name` in `folder` that prints `prints`, whatever it is asked."""
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(f"#!/bin/sh\ncat <<'EOF'\n{prints}\nEOF\n")
+    (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("first, second, expected", [
+    ("localhost", "10.0.0.2", "10.0.0.1"),   # the first node's own name resolves to a loopback address there
+    ("10.0.0.7", "10.0.0.2", "10.0.0.7"),    # it resolves to an address the others reach: that one
+], ids=["own-name-loopback", "own-name-routable"])
+def test_the_rendezvous_address_of_a_job_of_several_nodes_is_never_a_loopback_one(tmp_path, monkeypatch, first,
+                                                                                   second, expected):
+    """On many clusters a node's own name resolves to 127.0.1.1 there (localhost stands for it:
+    127.0.0.1): the other nodes could never reach that. The supervisor then gives the address
+    this node reaches the second node from (`ip route get`'s src), which the second reaches back."""
+    stand_in(tmp_path / "bin", "scontrol", f"{first}\n{second}")
+    stand_in(tmp_path / "bin", "ip", f"{second} via 10.0.0.254 dev eth0 src 10.0.0.1 uid 0")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    address = master_address({"SLURM_JOB_NODELIST": "node[1-2]"})
+    assert address == expected and not address.startswith("127.")
+    assert master_address({"SLURM_JOB_NODELIST": "node[1-2]", "MASTER_ADDR": "10.9.9.9"}) == "10.9.9.9"  # (the user's)

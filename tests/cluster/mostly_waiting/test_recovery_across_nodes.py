@@ -1,7 +1,7 @@
 """Failures across nodes, on a three-node cluster in network namespaces (local-slurm.sh): a
-node that hangs at every start left out, and a node lost (the job requeued onto the nodes
-left by Slurm, or under --no-kill by the supervisor; with MIN_NODES going on with the node
-it still holds). On one node: tests/cluster/one_node/test_recovery_on_slurm.py; a torchrun
+node that hangs at every start left out (in training, or at start-up), and a node lost (the
+job requeued onto the nodes left by Slurm, or under --no-kill by the supervisor; with
+MIN_NODES going on with the node it still holds). On one node: tests/cluster/one_node/test_recovery_on_slurm.py; a torchrun
 worker killed across two nodes: tests/cluster/own_clusters/test_slurm_on_own_clusters.py.
 
 The times these tests print (node lost to training again) are the README's "Failures and
@@ -120,6 +120,30 @@ def test_the_line_after_end_says_which_node_the_job_left_out_and_runs_as_printed
     if submitted:
         three_nodes.run("scancel", submitted.group(1))  # (accepted is all this test asks)
     assert again.returncode == 0 and submitted, again.stdout + again.stderr
+
+
+def test_a_job_leaves_out_a_node_that_stops_at_every_start_up_and_finishes_on_the_other_two(three_nodes, tmp_path):
+    """A 2-node job whose rank on ftn2 stops itself (SIGSTOP) a second after it joined the process
+    group, at every start (AID_STOP_HOST=ftn2:1), before any step: rank 0 waits for it in a
+    collective of the start-up, a hang report names it (no answer, from another node), and
+    --dist-timeout ends the wait; after its second failure the job leaves ftn2 out and finishes
+    on ftn1 and ftn3 with exit 0. (Slurm gives a job on idle nodes the lowest: ftn1 and ftn2.)"""
+    args = [*FAST, "--epochs", "1", "--dist-timeout", "10", "--hang-after", "5"]
+    client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"], args,
+                                RUN_NAME="stops", AID_STOP_HOST="ftn2:1", MAX_RESTARTS="5")
+    job_id, out = finish(client, tmp_path)
+    reports = re.findall(r"^0: hang at start-up, before the first step: rank 1 on ftn2: no answer; rank\(s\) 0 wait for it "
+                         r"in .*$", out, re.M)
+    assert len(reports) == 2, out[-4000:]
+    print(reports[0])
+    left = re.findall(r"^leaving ftn2 out of this job from now on: .*$", out, re.M)
+    assert len(left) == 1 and re.fullmatch(
+        r"leaving ftn2 out of this job from now on: 2 failures were pinned on it \(attempt 1, exit \d+: a hang report "
+        r"named rank 1 on it.*; attempt 2, exit \d+: a hang report named rank 1 on it.*\)", left[0]), out[-4000:]
+    assert re.search(rf"^START .* job={job_id} restart=1 nodes=ftn\[1,3\] ", out, re.M), out[-4000:]
+    assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
+    assert len(re.findall(r"^0: hang ", out, re.M)) == 2  # (none on ftn1 and ftn3, where nothing hangs)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "runs" / "stops")] == [1]
 
 
 @contextlib.contextmanager
