@@ -266,17 +266,34 @@ def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[
     if rank == 0:
         for line in speed_figures(what, [statistics.median(rounds) for rounds in step_seconds], pair_seconds):
             say(line)
-        if broken:
-            say(f"check failed: {ranks_and_hosts(broken, nodes)} cannot run a training step on "
-                f"{'its device' if len(broken) == 1 else 'their devices'} (the line above from each says why); leave the "
-                f"node out, sbatch --exclude={','.join(dict.fromkeys(nodes[r] for r in broken))}, or report it to the site")
-        else:
+        for line in broken_lines(broken, faulty, nodes):
+            say(line)
+        if not broken:
             slow = slow_lines(step_seconds, nodes, pair_seconds)
             for line in slow:
                 say(line)
             say(f"check passed in {process_age():.1f} s: every rank joined, connected and reduced correctly; training "
                 "with the same settings will meet" + ("; every step will wait for the slow ones above" if slow else ""))
     return check_code(broken, faulty)
+
+
+def broken_lines(broken: list[int], faulty: list[int], nodes: list[str]) -> list[str]:
+    """Rank 0's lines for the ranks that could not run a step: the nodes to leave out only for
+    those whose node's GPU failed them (`faulty`); any other error is the recipe's or the
+    environment's, which fails alike on every node, so no node is blamed for it."""
+    lines = []
+    others = [r for r in broken if r not in faulty]
+    if faulty:
+        gpus = "its GPU" if len(faulty) == 1 else "their GPUs"
+        lines.append(f"check failed: {ranks_and_hosts(faulty, nodes)} cannot run a training step for a fault of {gpus} "
+                     "(the line above from each says why); leave the node out, sbatch --exclude="
+                     f"{','.join(dict.fromkeys(nodes[r] for r in faulty))}, or report it to the site")
+    if others:
+        lines.append(f"check failed: {ranks_and_hosts(others, nodes)} cannot run a training step "
+                     "(the line above from each says why): an error of the recipe's step (mnist_ddp.py's check_step and "
+                     "the model it builds) or of the environment, which another node would not fix; fix it, and run the "
+                     "check again")
+    return lines
 
 
 def check_code(broken: list[int], faulty: list[int]) -> int:

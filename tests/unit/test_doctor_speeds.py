@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from ddpkit import doctor
 from ddpkit.contract import EXIT_BUG, EXIT_NODE_FAULT
-from ddpkit.doctor import check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
+from ddpkit.doctor import broken_lines, check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
 
 FAST = 0.02  # seconds of an exchange on a healthy link
 
@@ -149,6 +149,21 @@ def test_a_rank_that_cannot_run_a_step_is_a_nodes_fault_only_for_its_gpu():
     assert check_code([], []) == 0
     assert check_code([1, 2], [1, 2]) == EXIT_NODE_FAULT
     assert check_code([1, 2], [1]) == EXIT_BUG
+
+
+def test_only_ranks_whose_nodes_gpu_failed_them_get_the_exclude_of_their_nodes():
+    """A fault of the node's GPU: leave the node out; any other error (the recipe's step on
+    every rank, say) is no node's: no --exclude, and the line says another node would not
+    fix it."""
+    nodes = ["a", "a", "b", "b"]
+    [faulty, other] = broken_lines([0, 2, 3], [2, 3], nodes)
+    assert faulty == ("check failed: ranks 2, 3 (on b) cannot run a training step for a fault of their GPUs (the line "
+                      "above from each says why); leave the node out, sbatch --exclude=b, or report it to the site")
+    assert other == ("check failed: rank 0 (on a) cannot run a training step (the line above from each says why): an "
+                     "error of the recipe's step (mnist_ddp.py's check_step and the model it builds) or of the environment, "
+                     "which another node would not fix; fix it, and run the check again")
+    assert ["--exclude" in line for line in broken_lines([0, 1, 2, 3], [], nodes)] == [False]
+    assert broken_lines([], [], nodes) == []
 
 
 def _pairs_within_a_budget(rank: int, init: str, budget: float, result: dict) -> None:
