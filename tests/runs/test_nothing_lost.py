@@ -390,20 +390,23 @@ def test_ctrl_c_before_training_stops_at_once(workdir):
     assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]
 
 
-# Makes `import torch` as slow as on busy shared storage: the recipe's import of torch says
-# so on stderr, then waits, so that the Ctrl-C a test sends next lands while torch loads.
-SLOW_TORCH = """
-import sys, time
+# Makes `import torch` as slow as on busy shared storage: every rank says on stderr when it
+# starts to import torch (its stop signals' handlers are set by then), and rank 0 (one process,
+# or SLURM_PROCID 0) is held there until the file HOLD_TORCH names exists: a stop signal sent
+# meanwhile lands while rank 0 loads.
+HOLD_TORCH = """
+import os, sys, time
 
-class SlowTorch:
+class HeldTorch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
             sys.meta_path.remove(self)
             print("loading torch", file=sys.stderr, flush=True)
-            time.sleep(120)
+            while os.environ.get("SLURM_PROCID", "0") == "0" and not os.path.exists(os.environ["HOLD_TORCH"]):
+                time.sleep(0.05)
         return None
 
-sys.meta_path.insert(0, SlowTorch())
+sys.meta_path.insert(0, HeldTorch())
 """
 
 
@@ -412,8 +415,8 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(workdir):
     a Ctrl-C before training, not a traceback through the import; nothing trained."""
     slow = workdir / "slow-storage"
     slow.mkdir()
-    (slow / "sitecustomize.py").write_text(SLOW_TORCH)
-    env = clean_env(PYTHONPATH=f"{slow}{os.pathsep}{SCRIPT.parent}")
+    (slow / "sitecustomize.py").write_text(HOLD_TORCH)
+    env = clean_env(PYTHONPATH=f"{slow}{os.pathsep}{SCRIPT.parent}", HOLD_TORCH=str(workdir / "never"))
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--epochs", "1", "--run-name", "i"], cwd=workdir, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -426,25 +429,6 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(workdir):
     assert (proc.returncode, out) == (130, ""), err[-3000:]
     assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]
     assert not (workdir / "runs").exists()
-
-
-# Every rank says on stderr when it starts to import torch (its stop signals' handlers are set
-# by then), and rank 0 (SLURM_PROCID 0) is held there until the file HOLD_TORCH names exists:
-# a stop signal sent meanwhile lands while rank 0 loads.
-HOLD_TORCH = """
-import os, sys, time
-
-class HeldTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.meta_path.remove(self)
-            print("loading torch", file=sys.stderr, flush=True)
-            while os.environ.get("SLURM_PROCID") == "0" and not os.path.exists(os.environ["HOLD_TORCH"]):
-                time.sleep(0.05)
-        return None
-
-sys.meta_path.insert(0, HeldTorch())
-"""
 
 
 def start_two_ranks_with_rank_0_held_in_import_torch(workdir: Path, master_port: int = 0) -> tuple[list, Path]:
