@@ -212,6 +212,7 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
             return EXIT_LOST_PEER
         if code:
             return code  # (rank 0 says why)
+    made = make_check_step(make_step, device)  # (before the process group: see make_check_step)
     # 2. The backend connects every pair of ranks.
     started = time.monotonic()
     try:
@@ -238,24 +239,42 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
     if not right:
         return EXIT_BUG
     # 3. The speeds: every rank's training step, and the link between each pair of nodes.
-    return check_speeds(make_step, device, nodes, me=me, hints=network_hints(launch, backend, "every node"))
+    return check_speeds(made, device, nodes, me=me, hints=network_hints(launch, backend, "every node"))
 
 
-def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[str], *, me: dict, hints: str) -> int:
+def make_check_step(make_step: StepMaker | None, device: torch.device) -> tuple[str, Callable[[], object]] | Exception | None:
+    """The recipe's step for this rank's device (its words and the step), the error that making
+    it raised, or None without make_step. Made before the process group exists: making it
+    builds a torch.optim optimizer, whose first one imports torch's compiler, and a process
+    group that exists then outlives destroy_process_group with its Gloo threads (torch 2.14),
+    into the interpreter's exit, where one of them aborted a check that had passed (SIGABRT,
+    "terminate called without an active exception")."""
+    if make_step is None:
+        return None
+    try:
+        return make_step(device)
+    except Exception as err:  # (said once the group exists, in check_speeds, so that rank 0 names it)
+        return err
+
+
+def check_speeds(made: tuple[str, Callable[[], object]] | Exception | None, device: torch.device, nodes: list[str], *,
+                 me: dict, hints: str) -> int:
     """Every rank times the recipe's step and the first ranks of the nodes their links; rank 0
     prints the figures and names what is slow (exit 0 still), or a rank that could not run a
     step (check_code). Returns the exit code."""
     rank = me["rank"]
     what, seconds = "a training step", [math.nan] * STEP_ROUNDS
-    if make_step:
+    if made is not None:
         try:
-            what, step = make_step(device)
+            if isinstance(made, Exception):
+                raise made
+            what, step = made
             seconds = time_step(step, device)
         except Exception as err:  # (it goes on to the collectives below, so that rank 0 names it)
             say(f"check: rank {rank} on {me['host']} cannot run a training step on {device}: {first_line(err)}")
             seconds = [-math.inf if node_fault(err) else math.nan] * STEP_ROUNDS  # (-inf: a fault of its node's GPU)
     try:
-        step_seconds = gather_step_times_all_ranks(seconds, device) if make_step else []
+        step_seconds = gather_step_times_all_ranks(seconds, device) if made is not None else []
         pair_seconds = time_pairs_of_nodes_all_ranks(device, nodes, rank)
     except Exception as err:
         say(f"check failed: rank {rank} on {me['host']} lost contact with the others while the speeds were timed "
