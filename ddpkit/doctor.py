@@ -9,8 +9,10 @@ Then the speeds: every rank times the recipe's fixed training step (mnist_ddp.py
 check_step: the default model on a default batch of synthetic images, on its own device),
 and the first ranks of each pair of nodes time an exchange of 16 MB; rank 0 names, one
 line each, a rank, a node or a pair of nodes slower than 1.5 times the others (stragglers.py's
-factor) and, for a step, slower by STEP_NOISE at least, with the `sbatch --exclude=NODE` that
-leaves the node out. The pairs' passes stop after PAIR_BUDGET seconds, so that the check
+factor) and slower by STEP_NOISE (a step) or PAIR_NOISE (an exchange) at least, a step in
+every one of STEP_ROUNDS rounds, with the `sbatch --exclude=NODE` that leaves the node out
+(where the job has other nodes: a rank slow against the ranks of its own node alone is not
+its node's to leave out). The pairs' passes stop after PAIR_BUDGET seconds, so that the check
 stays within a minute on many nodes.
 
 Exit 0 when all is well, and when something is only slow: the job would train, and a
@@ -49,11 +51,17 @@ LATER = 20.0  # seconds more that the other ranks wait than rank 0
 ACK_WAIT = 10.0  # seconds rank 0 waits, after a failed rendezvous, for the others to read its verdict
 TIMED_BYTES = 64 * 2**20  # the timed all-reduce: large enough that the network, not latency, sets its time
 TIMED_REPEATS = 3
-STEP_WARMUP, STEP_REPEATS = 3, 7  # the timed training step: steps first run untimed, then steps timed (their median)
+# The timed training step: steps first run untimed, then rounds of steps timed (each round's
+# median). A rank or node is slow only when it is slow in every round: a passing load (another
+# rank's burst on shared cores, a neighbour's job) slows one round, a slow part slows them all.
+STEP_WARMUP, STEP_ROUNDS, STEP_REPEATS = 3, 3, 5
 PAIR_BYTES = 16 * 2**20  # sent each way between two nodes: large enough that the link, not latency, sets its time
 PAIR_REPEATS = 5  # timed passes over every pair of nodes, after one untimed (a pair's fastest counts)
 PAIR_BUDGET = 15.0  # seconds of the pairs' passes after which no further timed pass starts (one always runs)
 STEP_NOISE = 0.002  # seconds: a step slower by less is noise (a GPU step's jitter), however many times the others
+# seconds: an exchange slower by less is noise, however many times the others (a loaded node's
+# scheduling: 10 ms more on a healthy link of the test cluster, whose exchanges take about 18 ms)
+PAIR_NOISE = 0.025
 PREFIX = "mnist-ddp-check"  # its keys, apart from any others in torchrun's store
 
 
@@ -204,6 +212,7 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
             return EXIT_LOST_PEER
         if code:
             return code  # (rank 0 says why)
+    made = make_check_step(make_step, device)  # (before the process group: see make_check_step)
     # 2. The backend connects every pair of ranks.
     started = time.monotonic()
     try:
@@ -230,45 +239,80 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
     if not right:
         return EXIT_BUG
     # 3. The speeds: every rank's training step, and the link between each pair of nodes.
-    return check_speeds(make_step, device, nodes, me=me, hints=network_hints(launch, backend, "every node"))
+    return check_speeds(made, device, nodes, me=me, hints=network_hints(launch, backend, "every node"))
 
 
-def check_speeds(make_step: StepMaker | None, device: torch.device, nodes: list[str], *, me: dict, hints: str) -> int:
+def make_check_step(make_step: StepMaker | None, device: torch.device) -> tuple[str, Callable[[], object]] | Exception | None:
+    """The recipe's step for this rank's device (its words and the step), the error that making
+    it raised, or None without make_step. Made before the process group exists: making it
+    builds a torch.optim optimizer, whose first one imports torch's compiler, and a process
+    group that exists then outlives destroy_process_group with its Gloo threads (torch 2.14),
+    into the interpreter's exit, where one of them aborted a check that had passed (SIGABRT,
+    "terminate called without an active exception")."""
+    if make_step is None:
+        return None
+    try:
+        return make_step(device)
+    except Exception as err:  # (said once the group exists, in check_speeds, so that rank 0 names it)
+        return err
+
+
+def check_speeds(made: tuple[str, Callable[[], object]] | Exception | None, device: torch.device, nodes: list[str], *,
+                 me: dict, hints: str) -> int:
     """Every rank times the recipe's step and the first ranks of the nodes their links; rank 0
     prints the figures and names what is slow (exit 0 still), or a rank that could not run a
     step (check_code). Returns the exit code."""
     rank = me["rank"]
-    what, seconds = "a training step", math.nan
-    if make_step:
+    what, seconds = "a training step", [math.nan] * STEP_ROUNDS
+    if made is not None:
         try:
-            what, step = make_step(device)
+            if isinstance(made, Exception):
+                raise made
+            what, step = made
             seconds = time_step(step, device)
         except Exception as err:  # (it goes on to the collectives below, so that rank 0 names it)
             say(f"check: rank {rank} on {me['host']} cannot run a training step on {device}: {first_line(err)}")
-            seconds = -math.inf if node_fault(err) else math.nan  # (-inf: a fault of its node's GPU)
+            seconds = [-math.inf if node_fault(err) else math.nan] * STEP_ROUNDS  # (-inf: a fault of its node's GPU)
     try:
-        step_seconds = gather_step_times_all_ranks(seconds, device) if make_step else []
+        step_seconds = gather_step_times_all_ranks(seconds, device) if made is not None else []
         pair_seconds = time_pairs_of_nodes_all_ranks(device, nodes, rank)
     except Exception as err:
         say(f"check failed: rank {rank} on {me['host']} lost contact with the others while the speeds were timed "
             f"({first_line(err)}); {hints}")
         return EXIT_LOST_PEER
-    broken = [r for r, own in enumerate(step_seconds) if not math.isfinite(own)]
-    faulty = [r for r in broken if step_seconds[r] == -math.inf]
+    broken = [r for r, rounds in enumerate(step_seconds) if not all(map(math.isfinite, rounds))]
+    faulty = [r for r in broken if -math.inf in step_seconds[r]]
     if rank == 0:
-        for line in speed_figures(what, step_seconds, pair_seconds):
+        for line in speed_figures(what, [statistics.median(rounds) for rounds in step_seconds], pair_seconds):
             say(line)
-        if broken:
-            say(f"check failed: {ranks_and_hosts(broken, nodes)} cannot run a training step on "
-                f"{'its device' if len(broken) == 1 else 'their devices'} (the line above from each says why); leave the "
-                f"node out, sbatch --exclude={','.join(dict.fromkeys(nodes[r] for r in broken))}, or report it to the site")
-        else:
+        for line in broken_lines(broken, faulty, nodes):
+            say(line)
+        if not broken:
             slow = slow_lines(step_seconds, nodes, pair_seconds)
             for line in slow:
                 say(line)
             say(f"check passed in {process_age():.1f} s: every rank joined, connected and reduced correctly; training "
                 "with the same settings will meet" + ("; every step will wait for the slow ones above" if slow else ""))
     return check_code(broken, faulty)
+
+
+def broken_lines(broken: list[int], faulty: list[int], nodes: list[str]) -> list[str]:
+    """Rank 0's lines for the ranks that could not run a step: the nodes to leave out only for
+    those whose node's GPU failed them (`faulty`); any other error is the recipe's or the
+    environment's, which fails alike on every node, so no node is blamed for it."""
+    lines = []
+    others = [r for r in broken if r not in faulty]
+    if faulty:
+        gpus = "its GPU" if len(faulty) == 1 else "their GPUs"
+        lines.append(f"check failed: {ranks_and_hosts(faulty, nodes)} cannot run a training step for a fault of {gpus} "
+                     "(the line above from each says why); leave the node out, sbatch --exclude="
+                     f"{','.join(dict.fromkeys(nodes[r] for r in faulty))}, or report it to the site")
+    if others:
+        lines.append(f"check failed: {ranks_and_hosts(others, nodes)} cannot run a training step "
+                     "(the line above from each says why): an error of the recipe's step (mnist_ddp.py's check_step and "
+                     "the model it builds) or of the environment, which another node would not fix; fix it, and run the "
+                     "check again")
+    return lines
 
 
 def check_code(broken: list[int], faulty: list[int]) -> int:
@@ -352,28 +396,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(step: Callable[[], object], device: torch.device) -> float:
-    """The median seconds of `step` over STEP_REPEATS runs, after STEP_WARMUP untimed ones (the
-    first ones allocate memory and choose their kernels)."""
+def time_step(step: Callable[[], object], device: torch.device) -> list[float]:
+    """The median seconds of `step` in each of STEP_ROUNDS rounds of STEP_REPEATS runs, after
+    STEP_WARMUP untimed ones (the first ones allocate memory and choose their kernels)."""
     for _ in range(STEP_WARMUP):
         step()
-    times = []
-    for _ in range(STEP_REPEATS):
-        synchronize(device)
-        started = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    rounds = []
+    for _ in range(STEP_ROUNDS):
+        times = []
+        for _ in range(STEP_REPEATS):
+            synchronize(device)
+            started = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+        rounds.append(statistics.median(times))
+    return rounds
 
 
-def gather_step_times_all_ranks(seconds: float, device: torch.device) -> list[float]:
-    """Every rank's seconds a step (NaN: it could not run one; -inf: for a fault of its node's
-    GPU), on every rank."""
-    mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+def gather_step_times_all_ranks(seconds: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's seconds a step in each round (NaN: it could not run one; -inf: for a fault
+    of its node's GPU), on every rank."""
+    mine = torch.tensor(seconds, dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return [t.item() for t in every]
+    return [t.tolist() for t in every]
 
 
 def pair_rounds(count: int) -> list[list[tuple[int, int]]]:
@@ -475,14 +522,26 @@ def slower_than_the_others(times: dict, noise: float = 0.0) -> dict:
     return slow
 
 
-def slow_lines(step_seconds: list[float], nodes: list[str], pair_seconds: dict[tuple[str, str], float]) -> list[str]:
+def slower_in_every_round(rounds: dict, noise: float) -> dict:
+    """{key: (the median of its rounds, the median of the other keys' medians)} for each key
+    that slower_than_the_others names in every round of `rounds` ({key: [seconds a round]}):
+    a difference that repeats, not one sample."""
+    count = len(next(iter(rounds.values()), []))
+    verdicts = [slower_than_the_others({key: times[k] for key, times in rounds.items()}, noise) for k in range(count)]
+    return {key: (statistics.median(rounds[key]), statistics.median(verdict[key] for verdict in verdicts))
+            for key in rounds if verdicts and all(key in verdict for verdict in verdicts)}
+
+
+def slow_lines(step_seconds: list[list[float]], nodes: list[str], pair_seconds: dict[tuple[str, str], float]) -> list[str]:
     """Rank 0's verdict on the speeds, one line for each node, rank or pair of nodes that is
     slow, with the sbatch option that leaves the node out; none when nothing is.
 
-    step_seconds: each rank's median step ([] if none was timed); nodes: each rank's node;
-    pair_seconds: {(node, node): seconds} of each pair's exchange. A node's step is its fastest
-    rank's, so that a node is slow when all its ranks are; a rank is named apart only on a node
-    that is not (its device, its CPUs). A pair of nodes is slow
+    step_seconds: each rank's median step in each round ([] if none was timed); nodes: each
+    rank's node; pair_seconds: {(node, node): seconds} of each pair's exchange. A node's step is
+    its fastest rank's, so that a node is slow when all its ranks are; a rank is named apart
+    only on a node that is not (its device, its CPUs), and its node is left out only where the
+    job has others to run on (compared with the ranks of its own node alone, the rank's node is
+    not the slow part). Either is slow only in every round. A pair of nodes is slow
     against the median node's fastest exchange, not the median pair: on three nodes, one with
     a slow link slows two of the three pairs. A node in two slow pairs or more is named for
     them all (the one that most share first), and a slow pair that shares no node with
@@ -491,20 +550,24 @@ def slow_lines(step_seconds: list[float], nodes: list[str], pair_seconds: dict[t
     named = set()
     if step_seconds:
         ranks_of = {node: [r for r in range(len(nodes)) if nodes[r] == node] for node in dict.fromkeys(nodes)}
-        node_seconds = {node: min(step_seconds[r] for r in ranks) for node, ranks in ranks_of.items()}
-        for node, others in slower_than_the_others(node_seconds, STEP_NOISE).items():
+        node_rounds = {node: [min(times) for times in zip(*(step_seconds[r] for r in ranks), strict=True)]
+                       for node, ranks in ranks_of.items()}
+        for node, (seconds, others) in slower_in_every_round(node_rounds, STEP_NOISE).items():
             named.add(node)
             ranks = ranks_of[node]
-            lines.append(f"check: node {node} is slow: a training step takes {1000 * node_seconds[node]:.1f} ms there "
+            lines.append(f"check: node {node} is slow: a training step takes {1000 * seconds:.1f} ms there "
                          f"({f'the fastest of ranks {cpu_list(ranks)}' if len(ranks) > 1 else f'rank {ranks[0]}'}), "
-                         f"{node_seconds[node] / others:.1f}x the "
+                         f"{seconds / others:.1f}x the "
                          f"other nodes' median of {1000 * others:.1f} ms (a node busy with another job, or throttled?); "
                          f"leave it out: sbatch --exclude={node}")
-        for r, others in slower_than_the_others(dict(enumerate(step_seconds)), STEP_NOISE).items():
+        for r, (seconds, others) in slower_in_every_round(dict(enumerate(step_seconds)), STEP_NOISE).items():
             if nodes[r] not in named:
-                lines.append(f"check: rank {r} on {nodes[r]} is slow: a training step takes {1000 * step_seconds[r]:.1f} "
-                             f"ms, {step_seconds[r] / others:.1f}x the other ranks' median of {1000 * others:.1f} ms (its "
-                             f"device, or its CPUs?); leave its node out: sbatch --exclude={nodes[r]}")
+                advice = (f"leave its node out: sbatch --exclude={nodes[r]}" if len(ranks_of) > 1 else
+                          f"every rank runs on {nodes[r]}, so leaving it out would not help: check that rank's GPU, and "
+                          "that each rank has CPUs of its own (--cpus-per-task)")
+                lines.append(f"check: rank {r} on {nodes[r]} is slow: a training step takes {1000 * seconds:.1f} ms, "
+                             f"{seconds / others:.1f}x the other ranks' median of {1000 * others:.1f} ms (its device, or "
+                             f"its CPUs?); {advice}")
     if pair_seconds:
         fastest = {}
         for pair, seconds in pair_seconds.items():
@@ -512,7 +575,8 @@ def slow_lines(step_seconds: list[float], nodes: list[str], pair_seconds: dict[t
                 fastest[node] = min(fastest.get(node, math.inf), seconds)
         typical = statistics.median(fastest.values())
         order = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
-        slow = sorted((pair for pair, seconds in pair_seconds.items() if seconds > SLOW_FACTOR * typical),
+        slow = sorted((pair for pair, seconds in pair_seconds.items()
+                       if seconds > SLOW_FACTOR * typical and seconds - typical > PAIR_NOISE),
                       key=lambda pair: sorted(order.get(node, len(order)) for node in pair))
         exchange = f"an exchange of {PAIR_BYTES // 2**20} MB"
         measure = f"the median node's fastest exchange of {typical:.3f} s"

@@ -21,6 +21,7 @@ from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port
 
 PROG = "mnist_ddp.py"
 INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"
+CTRL_C_GRACE = 2.0  # seconds a Ctrl-C before training leaves the main thread to end the process by itself
 
 
 class UsageError(Exception):
@@ -54,9 +55,12 @@ class StopSignals:
     could interrupt a half-written file or a collective. A Ctrl-C pressed again while that
     save is a step away changes nothing (torchrun passes a second one on as SIGTERM, and
     kills workers still saving after 30 s). Before training starts there is nothing to
-    save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a rendezvous or a
-    download; while the program still loads (torch takes seconds), with no traceback through
-    the import. A SIGINT or SIGHUP that the parent set to be ignored (nohup) stays ignored.
+    save: Ctrl-C then stops at once (KeyboardInterrupt), e.g. during a download; while the
+    program still loads (torch takes seconds), with no traceback through the import; and
+    while it waits in torch's C++ (a rendezvous, a barrier), where Python runs no handler
+    until the wait ends, after CTRL_C_GRACE seconds: so every rank ends alike when one still
+    loads and another waits for it in the rendezvous. A SIGINT or SIGHUP that the parent set
+    to be ignored (nohup) stays ignored.
     Under run_training.sbatch only its SIGNAL (USR1 by default) requeues the job; the
     others save and stop. On rank 0 the job's time limit asks for a stop and a requeue too,
     when it comes near (time_limit.TimeLimit, set once the run starts)."""
@@ -78,6 +82,41 @@ class StopSignals:
         # shell's background job.
         signals += [sig for sig in (signal.SIGHUP, signal.SIGINT) if signal.getsignal(sig) is not signal.SIG_IGN]
         self.previous = {sig: signal.signal(sig, self.handle) for sig in signals}
+        self.wakeup = self.watch_ctrl_c() if signal.SIGINT in self.previous else None
+
+    def watch_ctrl_c(self) -> int | None:
+        """Python's own C handler writes each signal's number to the wakeup fd at once, even while
+        the main thread waits in C++; a thread reads them, and ends the process after a Ctrl-C
+        before training that the main thread did not act on within CTRL_C_GRACE seconds.
+        Returns the fd's writing end (None where another part holds the wakeup fd)."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        try:
+            earlier = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        except ValueError:  # (not the main thread: a handler could not be set either)
+            earlier = None
+        if earlier != -1:  # someone else's (or none could be set): leave it as it was
+            if earlier is not None:
+                signal.set_wakeup_fd(earlier)
+            os.close(read_end)
+            os.close(write_end)
+            return None
+        import threading  # (here, once the handlers are set: the start-up before them stays as short)
+
+        threading.Thread(target=self.read_wakeups, args=(read_end,), name="ctrl-c watch", daemon=True).start()
+        return write_end
+
+    def read_wakeups(self, read_end: int) -> None:
+        with open(read_end, "rb", buffering=0) as wakeups:
+            for byte in iter(lambda: wakeups.read(1), b""):
+                if byte[0] != signal.SIGINT or self.training:
+                    continue
+                deadline = time.monotonic() + CTRL_C_GRACE
+                while not self.interrupted and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not (self.interrupted or self.training):
+                    print(f"{PROG}: error: {INTERRUPTED}", file=sys.stderr, flush=True)
+                    os._exit(128 + signal.SIGINT)
 
     def handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.loading:
@@ -112,6 +151,12 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         sys.unraisablehook = self.unraisable
+        if self.wakeup is not None:  # (its reader then reads the end of the pipe, and ends)
+            current = signal.set_wakeup_fd(-1)
+            if current != self.wakeup:  # another part set its own since: it keeps it
+                signal.set_wakeup_fd(current)
+            os.close(self.wakeup)
+            self.wakeup = None
 
 
 IMPORTED_AT = time.monotonic()

@@ -58,8 +58,10 @@ class RunOptions:
                                "-1: never)", "distributed")
     check: bool = option(False, "check the job instead of training, in about a minute: every rank joins (within "
                          "--dist-timeout or 60 s, the shorter) and says its host, device, CPUs, GPUs, network interface "
-                         "and versions; an all-reduce with a known answer; a timed 64 MB all-reduce. Exit 0, or 4 naming "
-                         "the ranks and hosts that never joined", "distributed")
+                         "and versions; an all-reduce with a known answer; a timed 64 MB all-reduce; a timed training step "
+                         "on every rank and a timed exchange between each pair of nodes, naming what is slow. Exit 0 "
+                         "(slow or not), 4 naming the ranks and hosts that never joined, 5 when a node's GPU fails the "
+                         "step, 1 for another error", "distributed")
     # speed (for GPUs; they run on CPUs too, where they rarely help)
     amp: bool = option(False, "bfloat16 autocast for forward passes", "speed")
     channels_last: bool = option(False, "channels-last memory layout for convolutions", "speed")

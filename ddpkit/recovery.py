@@ -134,7 +134,12 @@ def read_agreement(pending: PendingAgreement) -> Verdict:
 
 def is_lost_peer(err: BaseException) -> bool:
     """A collective failed because another rank is gone or hung: c10d's own errors (NCCL,
-    the store), or Gloo's, which arrive as a RuntimeError that says what the socket saw."""
+    the store), or Gloo's, which arrive as a RuntimeError that says what the socket saw;
+    never a CUDA error, torch's or one NCCL's CUDA call met (node_fault, or a bug)."""
+    # A CUDA error is this rank's GPU or the run's kernel, never a peer, whatever its words:
+    # "the launch timed out and was terminated" is a kernel past the display's watchdog.
+    if "CUDA error: " in str(err) or NODE_NCCL_ERROR.search(str(err)):
+        return False
     if isinstance(err, dist.DistError):
         return True
     # Gloo's words for it vary with where the wait was: "Timed out waiting 20000ms for recv",

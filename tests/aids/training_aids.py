@@ -21,6 +21,9 @@
                        benchmarks/bench.py --step-times, which measures what they cost
   AID_NO_MODULE=M,N    the modules M and N cannot be imported, as if their packages were not
                        installed (read at start-up: for a fresh interpreter, not a forked run)
+  AID_THREADS_AT_EXIT=1  a rank (RANK or SLURM_PROCID set) says on stderr, as its interpreter
+                       begins to exit (atexit), which threads it still has, by their names in
+                       /proc (read at start-up: for a fresh interpreter)
 
 ddpkit holds no trace of them. A process gets them by importing this module before
 ddpkit: sitecustomize.py beside it does so at start-up in every process whose PYTHONPATH
@@ -219,6 +222,23 @@ class AidOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def say_threads():
+    """AID_THREADS_AT_EXIT: the names of this process's threads, on one line of stderr."""
+    names = []
+    for task in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    sys.stderr.flush()
+    os.write(2, f"aid: rank {rank} threads at exit: {' '.join(names)}\n".encode())  # (one write: ranks share stderr)
+
+
+if os.environ.get("AID_THREADS_AT_EXIT") == "1" and (os.environ.get("RANK") or os.environ.get("SLURM_PROCID")):
+    import atexit
+    atexit.register(say_threads)
 for hidden in filter(None, os.environ.get("AID_NO_MODULE", "").split(",")):
     sys.modules[hidden] = None  # (import raises ModuleNotFoundError, and find_spec finds nothing)
 for imported in [name for name in AIDED if name in sys.modules]:

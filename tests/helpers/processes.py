@@ -56,12 +56,14 @@ def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 300, *
 
 
 def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, job_id: str = "4242",
-                command: list[str] | None = None, detach: bool = False, env: dict[str, str] | None = None):
+                command: list[str] | None = None, detach: bool = False, env: dict[str, str] | None = None,
+                master_port: int = 0):
     """One process per task with the variables srun gives its tasks on one node (job_id ""
-    leaves SLURM_JOB_ID out), and `env`. Returns the finished results, or with detach the processes."""
+    leaves SLURM_JOB_ID out), and `env`; MASTER_PORT `master_port`, or a free one. Returns
+    the finished results, or with detach the processes."""
     extra = env or {}
     host = socket.gethostname()
-    port = str(free_port())
+    port = str(master_port or free_port())
     procs = []
     for rank in range(ntasks):
         env = clean_env(**extra, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),

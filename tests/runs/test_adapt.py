@@ -3,7 +3,9 @@ folder with only the command changed (through both data feeds, with 2 real Gloo 
 then, each in a copy of the project (mnist_ddp.py and ddpkit/) edited as the docs say and
 trained by 2 ranks started as srun starts them: your own model (a name in MODELS, picked
 with --model, and its branch in build_model), your own loss (the F.cross_entropy line of
-train_step), and your own test metric (two lines in evaluate).
+train_step), and your own test metric (two lines in evaluate); CHECK=1's step failing on a
+model made the default for 3-channel 32 x 32 images is the recipe's error (exit 1), and no
+node is blamed for it.
 
 The image folder is made here, not stored: 3 classes of 3x32x32 PNG images, each class a
 visible pattern (a bright row, column or diagonal) on noise.
@@ -12,6 +14,7 @@ visible pattern (a bright row, column or diagonal) on noise.
 """
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -148,6 +151,31 @@ def test_own_model_or_loss_edited_into_a_copy_trains_stops_and_resumes_on_2_rank
         assert sorted(load_params(run_dir)) == ["0.bias", "0.weight", "4.bias", "4.weight"]
     else:
         assert metrics[0]["train_loss"] < 0.25, metrics
+
+
+# A model of one's own for 3-channel 32 x 32 images (CIFAR's), made the default: it cannot take
+# the check's fixed step of 1-channel 28 x 28 images.
+OWN_DEFAULT_MODEL = (('MODELS = (', 'MODELS = ("cifar", '), ('model: str = option("cnn",', 'model: str = option("cifar",'),
+                     ("    channels, height, width = shape\n",
+                      "    channels, height, width = shape\n"
+                      '    if recipe.model == "cifar":\n'
+                      "        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),\n"
+                      "                             nn.Linear(8 * 16 * 16, classes))\n"))
+
+
+def test_check_of_a_model_that_cannot_take_its_step_is_the_recipes_error_and_blames_no_node(tmp_path):
+    """Every rank cannot run the check's step: exit 1 (the recipe's error, which another node
+    would not fix), one line that says so, and no `--exclude` of any node."""
+    project = copy_of_the_project(tmp_path)
+    edit(project / "mnist_ddp.py", *OWN_DEFAULT_MODEL)
+    results = run_ranks(project / "mnist_ddp.py", ["--check"], cwd=tmp_path)
+    assert [r.returncode for r in results] == [1, 1], results[0].stdout[-3000:] + results[0].stderr[-3000:]
+    out = results[0].stdout
+    assert re.search(r"^check: rank 0 on \S+ cannot run a training step on cpu: .*3 channels", out, re.M), out
+    assert re.search(r"^check failed: ranks 0, 1 \(on \S+\) cannot run a training step \(the line above from each says "
+                     r"why\): an error of the recipe's step \(mnist_ddp.py's check_step and the model it builds\) or of "
+                     r"the environment, which another node would not fix; fix it, and run the check again$", out, re.M), out
+    assert "--exclude" not in out + results[1].stdout
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """--deterministic in a real run's process: it turns on cuDNN's deterministic mode (and off
 its benchmark), torch's deterministic algorithms and CUBLAS_WORKSPACE_CONFIG (and they stay
 off without it); a run that meets an operation without a deterministic implementation stops
-in one line naming it. The device decisions at unit level: tests/unit/test_distributed.py.
+in one line naming it; a CUDA error that says "timed out" (a kernel past the launch timeout)
+is the run's own (exit 1), not a lost peer (4). The device decisions at unit level: tests/unit/test_distributed.py.
 
     python -m pytest tests/runs/test_distributed_runs.py
 """
@@ -41,3 +42,20 @@ def test_deterministic_run_that_meets_such_an_operation_stops_in_one_line(tmp_pa
         "mnist_ddp.py: error: --deterministic: put_ has no deterministic implementation on cpu, so this run cannot be "
         "bit-identical; leave out --deterministic, or change the model or step that uses it")
     assert "Traceback" not in result.stderr
+
+
+def test_a_cuda_launch_timeout_in_a_step_is_the_runs_own_error_not_a_lost_peer(tmp_path):
+    """The step raises what torch raises for a kernel past the launch timeout: exit 1 with its
+    traceback, as any CUDA error that is not the node's GPU's (docs/recovery.md), never the
+    lost peer's 4 that the batch file would restart, here with no peer at all."""
+    code = ("import sys, mnist_ddp\n"
+            "def my_step(*args, **kwargs):\n"
+            "    raise RuntimeError('CUDA error: the launch timed out and was terminated\\nCUDA kernel errors might be '\n"
+            "                       'asynchronously reported at some other API call')\n"
+            "mnist_ddp.train_step = my_step\n"
+            "sys.exit(mnist_ddp.main(sys.argv[1:]))\n")
+    result = run_python(["--max-steps", "2", "--run-dir", "run"], tmp_path, code=code)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "lost contact" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "mnist_ddp.py: error: unexpected RuntimeError (the traceback above): not restarted, as it would happen again")

@@ -2,8 +2,9 @@
 at the very last step or a kill during the last evaluation, a resume with another world
 size or from an earlier checkpoint, a run directory with logs but no checkpoint that
 loads, a --max-steps cap lifted later, a torn line in metrics.jsonl, two runs of one name
-at once and unnamed runs started in the same second, Ctrl-C (also under torchrun, and
-while torch loads), and an exit-code file that always tells how rank 0 ended. Real processes, real signals.
+at once and unnamed runs started in the same second, Ctrl-C (also under torchrun, while
+torch loads, and while rank 0 loads and rank 1 waits for it in the rendezvous: 130 on both;
+SIGTERM then: 75 on both after saving), and an exit-code file that always tells how rank 0 ended. Real processes, real signals.
 
     python -m pytest tests/runs/test_nothing_lost.py
 """
@@ -389,20 +390,23 @@ def test_ctrl_c_before_training_stops_at_once(workdir):
     assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]
 
 
-# Makes `import torch` as slow as on busy shared storage: the recipe's import of torch says
-# so on stderr, then waits, so that the Ctrl-C a test sends next lands while torch loads.
-SLOW_TORCH = """
-import sys, time
+# Makes `import torch` as slow as on busy shared storage: every rank says on stderr when it
+# starts to import torch (its stop signals' handlers are set by then), and rank 0 (one process,
+# or SLURM_PROCID 0) is held there until the file HOLD_TORCH names exists: a stop signal sent
+# meanwhile lands while rank 0 loads.
+HOLD_TORCH = """
+import os, sys, time
 
-class SlowTorch:
+class HeldTorch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
             sys.meta_path.remove(self)
             print("loading torch", file=sys.stderr, flush=True)
-            time.sleep(120)
+            while os.environ.get("SLURM_PROCID", "0") == "0" and not os.path.exists(os.environ["HOLD_TORCH"]):
+                time.sleep(0.05)
         return None
 
-sys.meta_path.insert(0, SlowTorch())
+sys.meta_path.insert(0, HeldTorch())
 """
 
 
@@ -411,8 +415,8 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(workdir):
     a Ctrl-C before training, not a traceback through the import; nothing trained."""
     slow = workdir / "slow-storage"
     slow.mkdir()
-    (slow / "sitecustomize.py").write_text(SLOW_TORCH)
-    env = clean_env(PYTHONPATH=f"{slow}{os.pathsep}{SCRIPT.parent}")
+    (slow / "sitecustomize.py").write_text(HOLD_TORCH)
+    env = clean_env(PYTHONPATH=f"{slow}{os.pathsep}{SCRIPT.parent}", HOLD_TORCH=str(workdir / "never"))
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--epochs", "1", "--run-name", "i"], cwd=workdir, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -425,6 +429,66 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(workdir):
     assert (proc.returncode, out) == (130, ""), err[-3000:]
     assert err.splitlines() == ["mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"]
     assert not (workdir / "runs").exists()
+
+
+def start_two_ranks_with_rank_0_held_in_import_torch(workdir: Path, master_port: int = 0) -> tuple[list, Path]:
+    """Two ranks started as srun starts them, both with their handlers set, rank 0 held in
+    `import torch` until the returned file exists (HOLD_TORCH)."""
+    held = workdir / "held"
+    held.mkdir()
+    (held / "sitecustomize.py").write_text(HOLD_TORCH)
+    release = workdir / "release-torch"
+    ranks = run_as_srun(2, ["--epochs", "1", "--batch-size", str(BATCH), "--run-name", "held", "--dist-timeout", "300"],
+                        workdir, job_id="", command=[sys.executable, str(SCRIPT)], detach=True, master_port=master_port,
+                        env={"PYTHONPATH": f"{held}{os.pathsep}{SCRIPT.parent}", "HOLD_TORCH": str(release)})
+    assert [rank.stderr.readline() for rank in ranks] == ["loading torch\n"] * 2
+    return ranks, release
+
+
+def finish(ranks: list, timeout: float) -> list[tuple[int, str, str]]:
+    """Each rank's (exit code, stdout, stderr) once it ended, within `timeout` seconds each."""
+    try:
+        return [(rank.returncode, out, err) for rank in ranks for out, err in [rank.communicate(timeout=timeout)]]
+    finally:
+        for rank in ranks:
+            rank.kill()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_rank_0_loads_torch_ends_every_rank_with_130_at_once(workdir):
+    """Ctrl-C (srun passes it to every task) while rank 0 is held in `import torch` and rank 1
+    waits in the rendezvous for it (the test holds the rendezvous port and answers nothing,
+    as rank 0 would not yet): both end at once with the line and 130, before anything could
+    be saved. Before, rank 0 did, and rank 1 waited on for --dist-timeout (300 s here)."""
+    with socket.socket() as rendezvous:
+        rendezvous.bind(("127.0.0.1", 0))
+        rendezvous.listen()
+        rendezvous.settimeout(120)
+        ranks, _ = start_two_ranks_with_rank_0_held_in_import_torch(workdir, rendezvous.getsockname()[1])
+        waiting, _ = rendezvous.accept()  # rank 1 is in the rendezvous, in torch's C++
+        for rank in ranks:
+            rank.send_signal(signal.SIGINT)
+        with waiting:
+            ended = finish(ranks, timeout=60)  # (far less than --dist-timeout)
+    assert [code for code, _, _ in ended] == [130, 130], ended
+    for _, _, err in ended:
+        assert err.splitlines()[-1] == "mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"
+    assert not list(workdir.glob("runs/*/checkpoints/*.pt"))
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_rank_0_loads_torch_stops_every_rank_with_75_after_saving(workdir):
+    """SIGTERM to every rank while rank 0 is held in `import torch`: kept, as the handlers are
+    set before torch loads; once rank 0 has loaded, the ranks meet, train, agree to stop at
+    the first step, rank 0 saves, and both end with 75."""
+    ranks, release = start_two_ranks_with_rank_0_held_in_import_torch(workdir)
+    for rank in ranks:
+        rank.send_signal(signal.SIGTERM)
+    release.touch()
+    ended = finish(ranks, timeout=300)
+    assert [code for code, _, _ in ended] == [EXIT_STOPPED, EXIT_STOPPED], ended
+    assert "stopping on SIGTERM at step " in ended[0][1], ended[0][1][-2000:]
+    assert any((workdir / "runs" / "held" / "checkpoints").glob("ckpt-*.pt"))
 
 
 @pytest.mark.parametrize("delay", [0.2, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6])

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.jobs import continue_command, failure, launcher_words, world_sizes
@@ -123,3 +124,17 @@ def test_a_fault_of_the_ranks_node_is_exit_5_a_lost_peer_4_and_a_bug_1():
                                                         "rank's node, not of the run (")
     assert failure(RuntimeError("Connection closed by peer"), None, None)[1] == EXIT_LOST_PEER
     assert failure(RuntimeError("CUDA error: device-side assert triggered"), None, None)[1] == EXIT_BUG
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA error: the launch timed out and was terminated\nCUDA kernel errors might be asynchronously "
+                 "reported at some other API call, so the stacktrace below might be incorrect."),
+    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                          "for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                          "Last error:\nCuda failure 'the launch timed out and was terminated'"),
+])
+def test_a_cuda_error_that_says_timed_out_is_the_runs_own_not_a_lost_peer(error):
+    """A kernel that ran past the launch timeout (the display's watchdog) is the run's own, as
+    any CUDA error not of the node's GPU (docs/recovery.md): exit 1, not a lost peer's 4, which
+    the batch file would restart even with one process."""
+    assert failure(error, None, None)[1] == EXIT_BUG
