@@ -176,12 +176,21 @@ def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
         torch.set_num_threads(launch.num_threads)
     if launch.world_size == 1:
         return Runtime(0, 0, 1, device, "none", True, config.dist_timeout)
+    load_what_optimizers_load()
     with collective("joining the process group"):
         dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                                 rank=launch.rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=config.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
     return Runtime(launch.rank, launch.local_rank, launch.world_size, device, backend, launch.rank == 0, config.dist_timeout)
+
+
+def load_what_optimizers_load() -> None:
+    """Imports torch's compiler, which the first torch.optim optimizer imports, before a process
+    group exists: a group that exists at that import outlives destroy_process_group with its
+    Gloo threads (torch 2.14), into the interpreter's exit, where one of them may abort a run
+    that has ended well (SIGABRT, "terminate called without an active exception": exit 1)."""
+    import torch._dynamo  # noqa: F401
 
 
 # cuBLAS's workspace setting for reproducible results (CUDA's documentation, "Results

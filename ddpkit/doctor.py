@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
-from ddpkit.distributed import pick_device
+from ddpkit.distributed import load_what_optimizers_load, pick_device
 from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
 from ddpkit.recovery import node_fault
@@ -212,7 +212,8 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
             return EXIT_LOST_PEER
         if code:
             return code  # (rank 0 says why)
-    made = make_check_step(make_step, device)  # (before the process group: see make_check_step)
+    made = make_check_step(make_step, device)
+    load_what_optimizers_load()  # (the step may have made none: a model it could not build)
     # 2. The backend connects every pair of ranks.
     started = time.monotonic()
     try:
@@ -244,11 +245,10 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
 
 def make_check_step(make_step: StepMaker | None, device: torch.device) -> tuple[str, Callable[[], object]] | Exception | None:
     """The recipe's step for this rank's device (its words and the step), the error that making
-    it raised, or None without make_step. Made before the process group exists: making it
-    builds a torch.optim optimizer, whose first one imports torch's compiler, and a process
-    group that exists then outlives destroy_process_group with its Gloo threads (torch 2.14),
-    into the interpreter's exit, where one of them aborted a check that had passed (SIGABRT,
-    "terminate called without an active exception")."""
+    it raised, or None without make_step. Made before the process group exists, as its
+    optimizer's imports must be (distributed.load_what_optimizers_load): else a check that
+    had passed could abort at its exit (SIGABRT, "terminate called without an active
+    exception")."""
     if make_step is None:
         return None
     try:

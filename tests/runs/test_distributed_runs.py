@@ -2,14 +2,18 @@
 its benchmark), torch's deterministic algorithms and CUBLAS_WORKSPACE_CONFIG (and they stay
 off without it); a run that meets an operation without a deterministic implementation stops
 in one line naming it; a CUDA error that says "timed out" (a kernel past the launch timeout)
-is the run's own (exit 1), not a lost peer (4). The device decisions at unit level: tests/unit/test_distributed.py.
+is the run's own (exit 1), not a lost peer (4); a run on two ranks leaves none of torch's
+threads to its interpreter's exit. The device decisions at unit level: tests/unit/test_distributed.py.
 
     python -m pytest tests/runs/test_distributed_runs.py
 """
 
 import json
+import re
 
-from helpers.processes import run_python
+import pytest
+
+from helpers.processes import assert_ok, run_python, run_torchrun
 
 
 def test_deterministic_sets_cudnn_cublas_and_torchs_deterministic_algorithms(tmp_path):
@@ -59,3 +63,19 @@ def test_a_cuda_launch_timeout_in_a_step_is_the_runs_own_error_not_a_lost_peer(t
     assert "lost contact" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "mnist_ddp.py: error: unexpected RuntimeError (the traceback above): not restarted, as it would happen again")
+
+
+@pytest.mark.slow
+def test_a_training_run_on_two_ranks_leaves_none_of_torchs_threads_to_its_interpreters_exit(tmp_path):
+    """A run that ended well on two Gloo ranks: as each rank's interpreter begins to exit, none of
+    torch's native threads is left (Gloo's loop and workers), which could take the interpreter's
+    lock during its finalization and abort a finished run (SIGABRT, "terminate called without an
+    active exception", exit 1). The first optimizer's import of torch's compiler kept them alive
+    past destroy_process_group when the group existed before it (the aid AID_THREADS_AT_EXIT
+    names them)."""
+    result = run_torchrun(2, ["--max-steps", "2", "--run-dir", "run"], tmp_path, AID_THREADS_AT_EXIT="1")
+    assert_ok(result)
+    left = re.findall(r"^aid: rank (\d) threads at exit: (.*)$", result.stderr, re.M)
+    assert sorted(rank for rank, _ in left) == ["0", "1"], result.stderr[-3000:]
+    for rank, threads in left:
+        assert not [name for name in threads.split() if name.startswith(("gloo", "pt_"))], (rank, threads)
