@@ -158,6 +158,18 @@ class JobPaths:
         return os.path.join(run_dir, JobPaths.JOB_DIRS, JobPaths.NODE_FAILURES.format(job))
 
     @staticmethod
+    def node_failure_records(run_dir: str) -> List[Tuple[str, str]]:
+        """(job, its node_failures file) of each job of the run that pinned a failure on a node, in
+        the order the jobs came (job 9 before job 10)."""
+        folder = os.path.join(run_dir, JobPaths.JOB_DIRS)
+        found = []  # type: List[Tuple[str, str]]
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            match = re.fullmatch(JobPaths.NODE_FAILURES.format("(.+)"), name)
+            if match:
+                found.append((match.group(1), os.path.join(folder, name)))
+        return sorted(found, key=lambda job_path: (len(job_path[0]), job_path[0]))
+
+    @staticmethod
     def is_rank_code(name: str) -> bool:
         """Whether a file of the job's folder is a rank's exit code."""
         return re.fullmatch(JobPaths.RANK_CODE.format(r"\d+"), name) is not None

@@ -11,6 +11,7 @@ import ast
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -175,6 +176,17 @@ def test_the_ranks_codes_are_read_by_rank_and_a_file_without_one_is_missing(tmp_
     (tmp_path / "rank-10").mkdir()  # (not a file: unreadable)
     assert read_codes(str(tmp_path)) == {0: 0, 3: 75}
     assert JobPaths.job_dir("/r", "7_1") == "/r/exit-codes/job-7_1"
+
+
+def test_the_runs_node_failure_records_are_listed_by_job_in_the_order_the_jobs_came(tmp_path):
+    run_dir = tmp_path / "run"
+    assert JobPaths.node_failure_records(str(run_dir)) == []
+    for job in ("10", "9", "12"):
+        Path(JobPaths.node_failures(str(run_dir), job)).parent.mkdir(parents=True, exist_ok=True)
+        Path(JobPaths.node_failures(str(run_dir), job)).write_text("n2\t1\tattempt 1, exit 4: why\n")
+    Path(JobPaths.job_dir(str(run_dir), "9")).mkdir()  # (a job's folder is no record)
+    assert JobPaths.node_failure_records(str(run_dir)) == [(job, JobPaths.node_failures(str(run_dir), job))
+                                                           for job in ("9", "10", "12")]
 
 
 @pytest.mark.parametrize("given, continued", [
