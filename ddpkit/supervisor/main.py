@@ -58,7 +58,7 @@ from ddpkit.contract import (
 from ddpkit.supervisor.nodes import (
     Pin,
     Usable,  # noqa: F401 (in a type comment)
-    cannot_leave_out_line,
+    cannot_keep_off_line,
     exclusion_note,
     failure_pins,
     job_usable,
@@ -120,6 +120,7 @@ class Supervisor:
         # The nodes Slurm may place the job on (nodes.py's Usable, None where Slurm cannot say,
         # and why), asked once, when a node is first left out.
         self.usable = None  # type: Optional[Tuple[Optional[Usable], str]]
+        self.excluded_at_start = None  # type: Optional[List[str]]  # (own_excluded's, once asked)
 
     def start(self) -> None:
         """The ranks' environment, the START and PREFLIGHT lines, the GPU monitor."""
@@ -277,9 +278,16 @@ class Supervisor:
             lost += f", {count} without the {'node' if out == 1 else 'nodes'} it leaves out"
         # (a requeue to leave out a node that Slurm could not place the job without would leave it
         # PENDING for good: the step starts again as it was, while the job holds every node it had)
-        unkept = [node for node in bad_held if node not in self.kept_off()] if not go_on and bad_held else []
+        kept = self.kept_off() if not go_on and bad_held else []
+        unkept = [node for node in bad_held if node not in kept] if not go_on else []
         if unkept and not self.left_out_at_start and int(held.group()) >= s.nodes:
-            return f" with {','.join(unkept)}, which Slurm could not place the job without"
+            said = f" with {','.join(unkept)}, which Slurm could not place the job without"
+            excludes = [node for node in bad_held if node in kept]  # (excluded in the line alone: no requeue for it)
+            if excludes:
+                said += (f", and with {','.join(excludes)}, which the line that continues the run excludes (not "
+                         f"requeued without {'it' if len(excludes) == 1 else 'them'}: Slurm would place the job on "
+                         f"{','.join(unkept)} again)")
+            return said
         if not go_on and bad_held and self.left_out_at_start:  # (a second requeue might leave out a healthy node)
             if int(held.group()) >= s.nodes:
                 return f" with {','.join(bad_held)} (not requeued a second time to leave a node out)"
@@ -385,15 +393,19 @@ class Supervisor:
         for node in new:
             usable = self.usable[0] if self.usable else None
             print(leave_out_line(node, pinned[node]) if node in kept or not usable else
-                  cannot_leave_out_line(node, pinned[node], usable, self.own_excluded() + kept, s.job_nodes), flush=True)
+                  cannot_keep_off_line(node, failures=pinned[node], usable=usable, excluded=self.own_excluded() + kept,
+                                       count=s.job_nodes), flush=True)
         if set(new) & set(kept):
             self.exclude_in_line([node for node in new if node in kept])
         return fields
 
     def own_excluded(self) -> List[str]:
-        """The nodes the job's own ExcNodeList named as it started (yours, and those a requeue added)."""
-        given = job_fields(self.info).get("ExcNodeList", "")
-        return self.nodes_of(given) if given not in ("", "(null)") else []
+        """The nodes the job's own ExcNodeList named as it started (yours, and those a requeue added),
+        listed (scontrol show hostnames) once."""
+        if self.excluded_at_start is None:
+            given = job_fields(self.info).get("ExcNodeList", "")
+            self.excluded_at_start = self.nodes_of(given) if given not in ("", "(null)") else []
+        return self.excluded_at_start
 
     def kept_off(self) -> List[str]:
         """The nodes left out that Slurm can keep the job off (nodes.py's kept_off): those its

@@ -24,7 +24,6 @@ as the job asks for without it (kept_off): else Slurm would hold the job PENDING
 (BadConstraints) for good, or refuse the line. Every later job of the run is told which of
 its excluded nodes a job of the run left out, and how to take one back (exclusion_note)."""
 
-import glob
 import os
 import re
 import subprocess
@@ -180,12 +179,20 @@ def ask_usable(partition: str, reservation: str) -> Usable:
         shown = run(["scontrol", "show", "reservation", "--oneliner", reservation], SCONTROL_TIMEOUT)
         nodes = job_fields(shown.stdout).get("Nodes", "")
         if shown.returncode != 0 or not nodes:
-            raise OSError("scontrol show reservation: " + (last_line(shown.stderr) or f"no nodes for {reservation}"))
+            raise OSError(why_failed("scontrol show reservation", shown) if shown.returncode != 0 else
+                          f"scontrol show reservation: no nodes for {reservation}")
         where, command = f"reservation {reservation} ({where})", command + ["--nodes=" + nodes]
     result = run(command + ["--format=%N %T"], SCONTROL_TIMEOUT)
     if result.returncode != 0:
-        raise OSError("sinfo: " + (last_line(result.stderr) or f"exit {result.returncode}"))
+        raise OSError(why_failed("sinfo", result))
     return Usable(where, usable_nodes(result.stdout))
+
+
+def why_failed(command: str, result: subprocess.CompletedProcess) -> str:
+    """Why `command` failed, its tool named once: Slurm's tools name themselves ("sinfo: error:
+    ...")."""
+    said = last_line(result.stderr) or f"exit {result.returncode}"
+    return said if said.startswith(command.split()[0] + ":") else f"{command}: {said}"
 
 
 def job_usable(fields: Dict[str, str]) -> Tuple[Optional[Usable], str]:
@@ -212,14 +219,16 @@ def kept_off(left: Sequence[str], usable: Optional[Usable], excluded: Sequence[s
     return kept
 
 
-def cannot_leave_out_line(node: str, failures: List[Pin], usable: Usable, excluded: Sequence[str], count: int) -> str:
-    """The one line that says a node left out cannot be kept off by Slurm, and why (the counts)."""
+def cannot_keep_off_line(node: str, *, failures: List[Pin], usable: Usable, excluded: Sequence[str], count: int) -> str:
+    """The one line that says Slurm cannot keep the job off a node left out, and why (the
+    counts): no requeue, no --exclude; the job's steps in this allocation still leave it out
+    where MIN_NODES allows, which the ATTEMPT line says."""
     without = len([n for n in usable.nodes if n != node and n not in excluded])
     also = " and the nodes the job excludes" if any(n in usable.nodes for n in excluded if n != node) else ""
-    return (f"cannot leave {node} out: {len(failures)} failures were pinned on it ({'; '.join(pin.why for pin in failures)}), "
-            f"but {usable.where} has {len(usable.nodes)} usable nodes, {without} without {node}{also}, and the job "
-            f"asks for {count}: Slurm could not place it without {node}, so neither a requeue nor the line that "
-            f"continues the run excludes it")
+    return (f"Slurm cannot keep this job off {node}, though {len(failures)} failures were pinned on it "
+            f"({'; '.join(pin.why for pin in failures)}): {usable.where} has {len(usable.nodes)} usable nodes, "
+            f"{without} without {node}{also}, and the job asks for {count}, so neither a requeue nor the line that "
+            f"continues the run excludes {node}")
 
 
 def left_out_by_jobs(run_dir: str, this_job: str) -> Dict[str, str]:
@@ -227,10 +236,7 @@ def left_out_by_jobs(run_dir: str, this_job: str) -> Dict[str, str]:
     node -> by whom and why, as "job 12 of this run (2 failures were pinned on it)" (or "this
     job (...)", for `this_job`)."""
     found = {}  # type: Dict[str, str]
-    prefix = JobPaths.NODE_FAILURES.format("")
-    paths = glob.glob(os.path.join(glob.escape(os.path.join(run_dir, JobPaths.JOB_DIRS)), prefix + "*"))
-    jobs = sorted((os.path.basename(path)[len(prefix):], path) for path in paths)
-    for job, path in sorted(jobs, key=lambda found_job: (len(found_job[0]), found_job[0])):  # (job 9 before job 10)
+    for job, path in JobPaths.node_failure_records(run_dir):
         pins = read_pins(path)
         for node in left_out(pins):
             by = "this job" if job == this_job else f"job {job} of this run"

@@ -21,7 +21,7 @@ from ddpkit.contract import JobEnv, JobPaths
 from ddpkit.supervisor.nodes import (
     Pin,
     Usable,
-    cannot_leave_out_line,
+    cannot_keep_off_line,
     failure_pins,
     kept_off,
     leave_out_line,
@@ -90,7 +90,7 @@ def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder
 
 # ----------------------------------------------------------------------------- the supervisor with them
 
-def supervised_job(tmp_path: Path, steps: list, nodes: list, excluded: str = "(null)", shown: str = "", **env: str
+def supervised_job(tmp_path: Path, steps: list, nodes: list, *, excluded: str = "(null)", shown: str = "", **env: str
                    ) -> subprocess.CompletedProcess:
     """The supervisor, as run_training.sbatch hands over to it, in a job of one rank on each of
     `nodes`, its project a copy in tmp_path/project. Stand-ins on its PATH: srun records its
@@ -149,7 +149,7 @@ if [ -n "$nodes" ]; then grep -E "^(${{nodes//,/|}}) " {tmp_path}/partition; els
                           capture_output=True, text=True, timeout=120)
 
 
-def step(nodes: list, codes: dict, status: int, hung: str = "", world_sizes: str = "", then: str = "") -> str:
+def step(nodes: list, codes: dict, status: int, *, hung: str = "", world_sizes: str = "", then: str = "") -> str:
     """A step's shell lines: rank 0 lists the nodes (and the world sizes) once the ranks met,
     and its line that continues the run; a hang report names `hung` ("RANK NODE"); each rank
     of `codes` records its code; `then` runs; srun exits with `status`."""
@@ -364,10 +364,10 @@ def test_a_node_is_kept_off_only_while_the_partition_has_enough_usable_nodes_wit
     assert kept_off(["n2", "n3"], usable, [], 2) == ["n2", "n3"] and kept_off(["n2", "n3"], usable, [], 3) == ["n2"]
     assert kept_off(["n2"], None, [], 4) == ["n2"]
     pins = [Pin("1", "a hang report named rank 1 on it")] * 2
-    assert cannot_leave_out_line("n2", pins, usable, ["n4"], 3) == (
-        "cannot leave n2 out: 2 failures were pinned on it (a hang report named rank 1 on it; a hang report named rank 1 "
-        "on it), but partition gpu has 4 usable nodes, 2 without n2 and the nodes the job excludes, and the job asks for "
-        "3: Slurm could not place it without n2, so neither a requeue nor the line that continues the run excludes it")
+    assert cannot_keep_off_line("n2", failures=pins, usable=usable, excluded=["n4"], count=3) == (
+        "Slurm cannot keep this job off n2, though 2 failures were pinned on it (a hang report named rank 1 on it; a hang "
+        "report named rank 1 on it): partition gpu has 4 usable nodes, 2 without n2 and the nodes the job excludes, and "
+        "the job asks for 3, so neither a requeue nor the line that continues the run excludes n2")
 
 
 @pytest.mark.parametrize("partition, reservation, where", [
@@ -390,8 +390,8 @@ def test_a_job_on_every_usable_node_starts_again_on_them_and_its_line_excludes_n
                             MAX_RESTARTS="2")
     assert result.returncode == 4, result.stdout + result.stderr
     assert "requeue" not in (tmp_path / "scontrol.log").read_text() and "leaving" not in result.stdout
-    [cannot] = printed(result, "cannot leave n2 out: 2 failures were pinned on it (")
-    assert f"), but {where}, and the job asks for 3: Slurm could not place it without n2, " in cannot, cannot
+    [cannot] = printed(result, "Slurm cannot keep this job off n2, though 2 failures were pinned on it (")
+    assert f"): {where}, and the job asks for 3, so neither a requeue nor " in cannot, cannot
     assert (tmp_path / "srun.log").read_text().splitlines() == ["--label --kill-on-bad-exit=1"] * 3
     assert printed(result, "ATTEMPT 3/3")[0].endswith(
         ": starting the step again in this allocation with n2, which Slurm could not place the job without; it resumes "
@@ -409,10 +409,54 @@ def test_where_slurm_cannot_say_which_nodes_are_usable_the_node_is_left_out_as_b
                                             "exit 1\n")
     result = supervised_job(tmp_path, [hang, hang], nodes)
     assert result.returncode == 4, result.stdout + result.stderr
-    assert printed(result, "could not ask Slurm which nodes Slurm job 77 may run on (sinfo: sinfo: error: Unable to "
-                           "contact slurm controller); it leaves n2 out of its requeue and of the line that continues the "
+    assert printed(result, "could not ask Slurm which nodes Slurm job 77 may run on (sinfo: error: Unable to contact "
+                           "slurm controller); it leaves n2 out of its requeue and of the line that continues the "
                            "run, as before")
     assert len(printed(result, "leaving n2 out")) == 1 and " --exclude=n2 " in printed(result, "to continue")[0]
+
+
+def test_where_min_nodes_lets_the_step_go_on_its_lines_agree_it_leaves_out_the_node_slurm_cannot_keep_it_off(
+        tmp_path):
+    """3 nodes of a partition of 3, MIN_NODES=2; n2 hangs at two starts. Slurm cannot keep the
+    job off n2, which one line says (no requeue, no --exclude); the step in this allocation
+    still leaves n2 out, on n1 and n3, which the ATTEMPT line says: no line says n2 cannot be
+    left out."""
+    nodes = ["n1", "n2", "n3"]
+    (tmp_path / "partition").write_text("n1 idle\nn2 idle\nn3 idle\n")
+    hang = step(nodes, {0: 4, 2: 4}, 137, hung="1 n2", world_sizes="1 2 3")
+    result = supervised_job(tmp_path, [hang, hang, step(["n1", "n3"], {0: 0, 1: 0}, 0)], nodes, MIN_NODES="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    [cannot] = printed(result, "Slurm cannot keep this job off n2, though 2 failures were pinned on it (")
+    assert cannot.endswith(": partition gpu has 3 usable nodes, 2 without n2, and the job asks for 3, so neither a "
+                           "requeue nor the line that continues the run excludes n2"), cannot
+    assert "cannot leave" not in result.stdout and "leaving" not in result.stdout
+    assert printed(result, "ATTEMPT 3/4")[0].endswith(
+        ": the job holds 3 of its 3 nodes (n1,n2,n3), 2 without the node it leaves out, so on 2 node(s) with 2 rank(s) "
+        "instead of 3; it resumes from the newest checkpoint")
+    assert (tmp_path / "srun.log").read_text().splitlines()[2] == "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --exclude=n2"
+    assert "requeue" not in (tmp_path / "scontrol.log").read_text()
+
+
+def test_two_nodes_left_out_at_once_one_slurm_can_keep_the_job_off_and_one_not_the_attempt_line_names_each(tmp_path):
+    """3 nodes of a partition of 4, MIN_NODES unset, the job's own ExcNodeList n9: ranks on n2
+    and n3 hang at two starts. Slurm can keep the job off n2 (n1, n3, n4 are left), not off
+    both: no requeue (it would place the job on n3 again); the step starts again on every node,
+    and the ATTEMPT line names both, and what happens to each; the line after END excludes n2
+    alone. The job's own ExcNodeList is listed once (scontrol show hostnames), however often
+    the supervisor asks which nodes Slurm can keep the job off."""
+    nodes = ["n1", "n2", "n3"]
+    hang = step(nodes, {0: 4}, 4, hung="1 n2\n2 n3")
+    result = supervised_job(tmp_path, [hang] * 3, nodes, excluded="n9", MAX_RESTARTS="2")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert "requeue" not in (tmp_path / "scontrol.log").read_text()
+    assert len(printed(result, "leaving n2 out")) == 1 and len(printed(result, "Slurm cannot keep this job off n3, ")) == 1
+    assert printed(result, "ATTEMPT 3/3")[0].endswith(
+        ": starting the step again in this allocation with n3, which Slurm could not place the job without, and with n2, "
+        "which the line that continues the run excludes (not requeued without it: Slurm would place the job on n3 "
+        "again); it resumes from the newest checkpoint")
+    line = printed(result, "to continue")[0]
+    assert " --exclude=n9,n2 " in line and "n3" not in line, line
+    assert (tmp_path / "scontrol.log").read_text().splitlines().count("show hostnames n9") == 1
 
 
 def test_the_line_after_end_says_which_excluded_nodes_a_job_of_the_run_left_out_and_how_to_take_one_back(tmp_path):

@@ -66,7 +66,7 @@ def test_a_job_on_every_node_of_its_partition_never_leaves_a_node_out_that_slurm
                                                                                                          tmp_path):
     """A 3-node job on the 3-node partition whose rank on ftn2 hangs at every start: after the
     second failure pinned on ftn2, leaving it out would requeue the job where Slurm can never
-    place it (PENDING, BadConstraints, for good). One line says the job cannot leave ftn2 out,
+    place it (PENDING, BadConstraints, for good). One line says Slurm cannot keep the job off ftn2,
     naming the partition and its counts; the step starts again on the same nodes until
     MAX_RESTARTS, then the END line and a line that continues the run without --exclude=ftn2,
     which sbatch accepts, run as printed."""
@@ -76,16 +76,16 @@ def test_a_job_on_every_node_of_its_partition_never_leaves_a_node_out_that_slurm
     wait_for(tmp_path, r"^START .* restart=0 nodes=ftn\[1-3\] ")
     job_id = next(tmp_path.glob("mnist-ddp-*.out")).name.removeprefix("mnist-ddp-").removesuffix(".out")
     try:
-        wait_for(tmp_path, r"^(cannot leave ftn2 out|requeueing Slurm job)", timeout=300)
+        wait_for(tmp_path, r"^(Slurm cannot keep this job off ftn2|requeueing Slurm job)", timeout=300)
         assert "requeueing" not in output_of(tmp_path), output_of(tmp_path)[-4000:]  # (else PENDING for good)
         client.communicate(timeout=400)
     finally:
         three_nodes.run("scancel", job_id)  # (a job left PENDING for good would hold the next tests' cluster)
     out = output_of(tmp_path)
-    cannot = re.findall(r"^cannot leave ftn2 out.*$", out, re.M)
+    cannot = re.findall(r"^Slurm cannot keep this job off ftn2, .*$", out, re.M)
     print("\n" + "\n".join(cannot))
-    assert len(cannot) == 1 and re.search(r", but partition local has 3 usable nodes, 2 without ftn2, and the job asks for "
-                                          r"3", cannot[0]), out[-4000:]
+    assert len(cannot) == 1 and re.search(r"\): partition local has 3 usable nodes, 2 without ftn2, and the job asks for "
+                                          r"3, ", cannot[0]), out[-4000:]
     assert "requeueing" not in out and not re.search(r"^START .* restart=1 ", out, re.M)
     assert re.search(r"^ATTEMPT 3/3 after exit \d+ .* with ftn2, which Slurm could not place the job without; ", out, re.M), out[-4000:]
     assert re.search(rf"^END .* job={job_id} exit=\d+ gave up after 3 attempts", out, re.M), out[-4000:]
