@@ -48,6 +48,10 @@ MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_
 # The most per-step points the sender keeps while the tracker does not answer (the oldest go
 # first; an epoch's are all kept).
 MAX_WAITING = 100_000
+# The HTTP 4xx with which MLflow's server refuses a request that passes by itself: a time-out, a
+# conflict (two requests at once), a request limit, and 499, the status of MLflow's CANCELLED (a
+# request cancelled, by a proxy or the server).
+PASSING_HTTP = (408, 409, 429, 499)
 # MLflow's log_batch takes 1000 metrics and 100 parameters at most.
 BATCH, PARAMS_BATCH = 1000, 100
 # How long a start waits for the sender of an earlier start to let go of tracker.json.
@@ -352,7 +356,7 @@ class MLflow:
         connection errors, time-outs and 5xx of an outage pass."""
         from mlflow.exceptions import MlflowException
         return isinstance(err, MlflowException) and 400 <= err.get_http_status_code() < 500 and \
-            err.get_http_status_code() not in (408, 409, 429, 499)
+            err.get_http_status_code() not in PASSING_HTTP
 
     def __init__(self, run_dir: Path):
         for variable, value in MLFLOW_DEFAULTS.items():

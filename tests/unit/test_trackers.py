@@ -1,6 +1,6 @@
 """ddpkit/trackers.py with no tracker and no sender process: an epoch's scalars, a start's
 text, tracker.json's entries (one per tracker and MLflow server however it is spelled, empty
-when missing, dropped with a line when of the wrong shape, replaced whole), rank 0's Tracker
+when missing, dropped with a line when of the wrong shape, replaced whole), the HTTP errors docs/trackers.md says pass, rank 0's Tracker
 (each start recorded, the steps the tracker has dropped, the final scalars sent unless it has
 them, a new tracker run for a start that goes back with changed options), and the Sender
 against a recording stand-in for MLflow's server put where trackers.TRACKERS names it: the
@@ -14,6 +14,8 @@ capped and every epoch's kept.
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -440,6 +442,13 @@ def test_the_same_server_by_another_name_keeps_the_entry_of_its_first_spelling(r
     assert sorted(json.loads(path.read_text())) == ["mlflow http://127.0.0.1:5000", "mlflow http://localhost:5001"]
 
 
+def test_the_docs_name_every_http_error_of_mlflow_that_passes():
+    """docs/trackers.md lists the HTTP 4xx that MLflow.lasting counts as passing, all of them."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / "trackers.md").read_text().split())
+    listed = re.search(r"an HTTP 4xx other than ((?:\d{3}, )*\d{3} and \d{3})", text)
+    assert listed and tuple(int(code) for code in re.findall(r"\d{3}", listed[1])) == trackers.PASSING_HTTP
+
+
 def test_an_error_that_does_not_pass_by_itself_is_named_as_such(run_dir, monkeypatch, capsys):
     """A refused credential (the stand-in's PermissionError) is no outage: the line says what to
     do, its end kept where the reason is long; an outage afterwards is named as one."""
@@ -477,7 +486,7 @@ def test_the_real_trackers_errors_that_pass_and_those_that_do_not():
                ("PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")]
     lasting.append(MlflowException("The filesystem tracking backend ...", error_code=INVALID_PARAMETER_VALUE))
     passing = [RestException({"error_code": code, "message": "no"}) for code in
-               ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED")]
+               ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "CANCELLED")]
     passing += [MlflowException("API request to http://h/api failed with exception ConnectionError"), OSError("down")]
     assert [trackers.MLflow.lasting(err) for err in lasting + passing] == [True] * len(lasting) + [False] * len(passing)
     assert [trackers.WandB.lasting(err) for err in (AuthenticationError("key"), UsageError("project"),
