@@ -9,6 +9,7 @@ a checkpoint resumes only a run with the same value. Options are spelt out in fu
 abbreviation (--ep 3) is an error, as it would read as another option once one is added."""
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -138,21 +139,30 @@ def tracker_problem(tracker: str) -> str:
                 "reaches (sqlite:////project/mlflow.db); export it before the run or the job starts")
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     file_store = uri not in ("databricks", "databricks-uc", "uc") and urlsplit(uri).scheme in ("", "file")  # (as MLflow reads it)
-    if tracker == "mlflow" and file_store and refuses_file_store():
+    if tracker == "mlflow" and file_store and refuses_file_store(mlflow_version()):
         return (f"--tracker mlflow: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow "
-                f"{importlib.metadata.version('mlflow')} refuses: use a server (http://host:5000) or a database every "
+                f"{mlflow_version()} refuses: use a server (http://host:5000) or a database every "
                 "node reaches (sqlite:////project/mlflow.db), or export MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
     return ""
 
 
-def refuses_file_store() -> bool:
-    """Whether the MLflow installed refuses its file store (from 3.13 on, unless
-    MLFLOW_ALLOW_FILE_STORE is true), read from its version: importing it takes seconds."""
+def mlflow_version() -> str:
+    """The version of the MLflow installed, from its distribution's metadata (importing it takes
+    seconds): mlflow, or mlflow-skinny, which installs the same package alone; "" for neither."""
+    for distribution in ("mlflow", "mlflow-skinny"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(distribution)
+    return ""
+
+
+def refuses_file_store(version: str) -> bool:
+    """Whether MLflow `version` refuses its file store (from 3.13 on, unless
+    MLFLOW_ALLOW_FILE_STORE is true)."""
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
         return False
     try:
-        major, minor = (int(part) for part in re.findall(r"\d+", importlib.metadata.version("mlflow"))[:2])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
+        major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    except ValueError:  # (a version that does not read as one: MLflow refuses its store or not itself)
         return False
     return (major, minor) >= (3, 13)
 

@@ -48,10 +48,17 @@ MLFLOW_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_
 # The most per-step points the sender keeps while the tracker does not answer (the oldest go
 # first; an epoch's are all kept).
 MAX_WAITING = 100_000
+# The HTTP 4xx with which MLflow's server refuses a request that passes by itself: a time-out, a
+# conflict (two requests at once), a request limit, and 499, the status of MLflow's CANCELLED (a
+# request cancelled, by a proxy or the server).
+PASSING_HTTP = (408, 409, 429, 499)
 # MLflow's log_batch takes 1000 metrics and 100 parameters at most.
 BATCH, PARAMS_BATCH = 1000, 100
 # How long a start waits for the sender of an earlier start to let go of tracker.json.
 LOCK_WAIT = 60.0
+# How long a start that spells its MLflow server anew waits for the names of the servers in
+# tracker.json to resolve (find_entry): a name that has not resolved by then is another server.
+RESOLVE_SECONDS = 3.0
 ROOT = Path(__file__).resolve().parents[1]  # (the folder that holds ddpkit/, for the sender's import)
 
 # The scalars of an epoch's record, by the tag TensorBoard shows them under (each of the
@@ -89,13 +96,13 @@ def server_key(uri: str) -> str:
     """An MLflow server's address as one spelling: the scheme and host in lower case, no default
     port, no user or password, no trailing /."""
     uri = uri.strip()
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+        port = parts.port
+    except ValueError:  # (a port out of range, a [ without its ]: MLflow names them itself)
+        return uri.rstrip("/") or uri
     if parts.scheme.lower() not in ("http", "https"):
         return uri.rstrip("/") or uri
-    try:
-        port = parts.port
-    except ValueError:  # (MLflow names a port it cannot read itself)
-        return uri.rstrip("/")
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
     port = "" if port in (None, {"http": 80, "https": 443}[parts.scheme.lower()]) else f":{port}"
@@ -108,32 +115,57 @@ def entry_name(tracker: str) -> str:
     return f"mlflow {server_key(os.environ.get('MLFLOW_TRACKING_URI', ''))}".strip() if tracker == "mlflow" else tracker
 
 
-def addresses(key: str) -> set[tuple[str, int, str]]:
-    """(address, port, path) of each address an http(s) server's key resolves to; none for
-    another store, or a name that does not resolve."""
-    parts = urlsplit(key.removeprefix("mlflow "))
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return set()
-    port = parts.port or {"http": 80, "https": 443}[parts.scheme]
+def server_parts(key: str) -> tuple[str, tuple[str, int, str]] | None:
+    """The host of an http(s) server's entry, and (scheme, port, path), which another spelling of
+    it shares; None for another store, or an address that does not parse (a port out of range,
+    stored by a start that MLflow then refused)."""
     try:
-        found = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return set()
-    return {(info[4][0], port, f"{parts.scheme}{parts.path}") for info in found}
+        parts = urlsplit(key.removeprefix("mlflow "))
+        if not key.startswith("mlflow ") or parts.scheme not in ("http", "https") or not parts.hostname:
+            return None
+        return parts.hostname, (parts.scheme, parts.port or {"http": 80, "https": 443}[parts.scheme], parts.path)
+    except ValueError:
+        return None
+
+
+def resolve(hosts: set[str], port: int, seconds: float) -> dict[str, set[str]]:
+    """The addresses each host name resolves to, looked up side by side and waited for `seconds`
+    in all: a name that does not resolve by then has none (getaddrinfo has no time limit of its
+    own, and a stale name would cost the resolver's time-outs before training)."""
+    found: dict[str, set[str]] = {}
+
+    def look_up(host: str) -> None:
+        with contextlib.suppress(OSError, ValueError):  # (UnicodeError is a ValueError)
+            found[host] = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+
+    threads = [threading.Thread(target=look_up, args=(host,), daemon=True) for host in hosts]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return dict(found)  # (a copy: a lookup that has not ended may still add to it)
 
 
 def find_entry(path: Path, name: str) -> str:
     """The entry of tracker.json for the tracker named `name` (entry_name): an MLflow server
-    spelled with another host name or address that resolves to the same address and port is the
-    same server, and keeps the entry of its first spelling."""
+    spelled with another host name or address that resolves to the same address, with the same
+    scheme, port and path, is the same server, and keeps the entry of its first spelling. Only a
+    new spelling looks names up, only those of the entries it could be, RESOLVE_SECONDS at most;
+    an entry that cannot be matched is another server's."""
     try:
         every = json.loads(path.read_text())
     except (OSError, ValueError):
         return name
-    if not isinstance(every, dict) or name in every or not name.startswith("mlflow "):
+    mine = server_parts(name)
+    if not isinstance(every, dict) or name in every or mine is None:
         return name
-    mine = addresses(name)
-    return next((key for key in every if key.startswith("mlflow ") and mine & addresses(key)), name)
+    host, where = mine
+    stored = {key: parts[0] for key in every if (parts := server_parts(key)) and parts[1] == where}
+    if not stored:
+        return name
+    found = resolve({host, *stored.values()}, where[1], RESOLVE_SECONDS)
+    return next((key for key, other in stored.items() if found.get(host, set()) & found.get(other, set())), name)
 
 
 # What each field of an entry holds (a field missing is one not written yet).
@@ -352,7 +384,7 @@ class MLflow:
         connection errors, time-outs and 5xx of an outage pass."""
         from mlflow.exceptions import MlflowException
         return isinstance(err, MlflowException) and 400 <= err.get_http_status_code() < 500 and \
-            err.get_http_status_code() not in (408, 409, 429, 499)
+            err.get_http_status_code() not in PASSING_HTTP
 
     def __init__(self, run_dir: Path):
         for variable, value in MLFLOW_DEFAULTS.items():

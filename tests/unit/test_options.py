@@ -240,3 +240,18 @@ def test_mlflows_file_store_is_refused_before_the_run_where_mlflow_refuses_it(mo
     for taken in ("sqlite:////project/mlflow.db", "http://mlflow.lab:5000", "https://mlflow.lab", "databricks"):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", taken)
         check_run_options(RunOptions(tracker="mlflow"))
+
+
+def test_mlflows_file_store_is_refused_where_mlflow_skinny_is_the_mlflow_installed(tmp_path, monkeypatch):
+    """mlflow-skinny installs the mlflow package without an mlflow distribution: its version
+    counts as MLflow's (here a stand-in for its files, the only place Python looks)."""
+    (tmp_path / "mlflow").mkdir()
+    (tmp_path / "mlflow" / "__init__.py").write_text("")
+    (tmp_path / "mlflow_skinny-3.17.0.dist-info").mkdir()
+    (tmp_path / "mlflow_skinny-3.17.0.dist-info" / "METADATA").write_text("Name: mlflow-skinny\nVersion: 3.17.0\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///project/mlruns")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(UsageError, match=r"^--tracker mlflow: MLFLOW_TRACKING_URI=file:///project/mlruns is MLflow's "
+                                         r"file store, which MLflow 3\.17\.0 refuses: "):
+        check_run_options(RunOptions(tracker="mlflow"))

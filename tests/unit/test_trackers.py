@@ -1,6 +1,8 @@
 """ddpkit/trackers.py with no tracker and no sender process: an epoch's scalars, a start's
-text, tracker.json's entries (one per tracker and MLflow server however it is spelled, empty
-when missing, dropped with a line when of the wrong shape, replaced whole), rank 0's Tracker
+text, tracker.json's entries (one per tracker and MLflow server however it is spelled, a URI
+that cannot be read another server's, names looked up only for a new spelling, only those it
+could be and for a short time, empty when missing, dropped with a line when of the wrong shape,
+replaced whole), the HTTP errors docs/trackers.md says pass, rank 0's Tracker
 (each start recorded, the steps the tracker has dropped, the final scalars sent unless it has
 them, a new tracker run for a start that goes back with changed options), and the Sender
 against a recording stand-in for MLflow's server put where trackers.TRACKERS names it: the
@@ -14,6 +16,10 @@ capped and every epoch's kept.
 """
 
 import json
+import re
+import socket
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -440,6 +446,61 @@ def test_the_same_server_by_another_name_keeps_the_entry_of_its_first_spelling(r
     assert sorted(json.loads(path.read_text())) == ["mlflow http://127.0.0.1:5000", "mlflow http://localhost:5001"]
 
 
+@pytest.mark.parametrize("unread, read", [("http://h:5000000", "http://127.0.0.1:5000"),
+                                          ("http://[::1:5000", "http://127.0.0.1:5000"),
+                                          ("http://127.0.0.1:5000", "http://localhost:99999")])
+def test_a_uri_whose_port_or_host_cannot_be_read_is_another_server_and_the_start_goes_on(run_dir, monkeypatch, unread,
+                                                                                          read):
+    """A run started once with a port out of range (which MLflow names), then started again
+    with the URI mended (or the other way round): the start goes on, with an entry of its own."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", unread)
+    first = start_of(run_dir).entry
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", read)
+    second = start_of(run_dir).entry
+    assert second != first and sorted(json.loads((run_dir / JobPaths.TRACKER).read_text())) == sorted([first, second])
+
+
+def test_a_new_spelling_looks_up_only_the_servers_it_could_be_and_never_waits_long_on_a_name(run_dir, monkeypatch):
+    """Only the stored servers with the new spelling's scheme, port and path are looked up, and a
+    name the resolver never answers for is given up (getaddrinfo has no time limit of its own: a
+    stale name would cost the resolver's time-outs before training); the entry's own spelling
+    looks up nothing."""
+    path = run_dir / JobPaths.TRACKER
+    for key in ("mlflow http://stale.test:5000", "mlflow http://other.test:5001", "mlflow https://other.test:5000",
+                "mlflow http://other.test:5000/x", "wandb"):
+        write_entry(path, key, {"run_id": key, "step": 40})
+    asked, released, answered = [], threading.Event(), threading.Event()
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        asked.append(host)
+        if host == "localhost":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+        if host == "stale.test":
+            released.wait(20)  # (a resolver that never answers, until the test ends)
+            answered.set()
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(trackers, "RESOLVE_SECONDS", 0.5, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://localhost:5000")
+    try:
+        entry = start_of(run_dir).entry
+        gave_up = not answered.is_set()
+    finally:
+        released.set()
+    assert entry == "mlflow http://localhost:5000" and gave_up and sorted(asked) == ["localhost", "stale.test"]
+    asked.clear()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "HTTP://stale.test:5000/")
+    assert start_of(run_dir).entry == "mlflow http://stale.test:5000" and asked == []
+
+
+def test_the_docs_name_every_http_error_of_mlflow_that_passes():
+    """docs/trackers.md lists the HTTP 4xx that MLflow.lasting counts as passing, all of them."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / "trackers.md").read_text().split())
+    listed = re.search(r"an HTTP 4xx other than ((?:\d{3}, )*\d{3} and \d{3})", text)
+    assert listed and tuple(int(code) for code in re.findall(r"\d{3}", listed[1])) == trackers.PASSING_HTTP
+
+
 def test_an_error_that_does_not_pass_by_itself_is_named_as_such(run_dir, monkeypatch, capsys):
     """A refused credential (the stand-in's PermissionError) is no outage: the line says what to
     do, its end kept where the reason is long; an outage afterwards is named as one."""
@@ -477,7 +538,7 @@ def test_the_real_trackers_errors_that_pass_and_those_that_do_not():
                ("PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")]
     lasting.append(MlflowException("The filesystem tracking backend ...", error_code=INVALID_PARAMETER_VALUE))
     passing = [RestException({"error_code": code, "message": "no"}) for code in
-               ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED")]
+               ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "CANCELLED")]
     passing += [MlflowException("API request to http://h/api failed with exception ConnectionError"), OSError("down")]
     assert [trackers.MLflow.lasting(err) for err in lasting + passing] == [True] * len(lasting) + [False] * len(passing)
     assert [trackers.WandB.lasting(err) for err in (AuthenticationError("key"), UsageError("project"),
