@@ -175,14 +175,16 @@ def init_distributed(config: RunOptions, launch: Launch) -> Runtime:
     if launch.num_threads:
         torch.set_num_threads(launch.num_threads)
     if launch.world_size == 1:
-        return Runtime(0, 0, 1, device, "none", True, config.dist_timeout)
+        return Runtime(rank=0, local_rank=0, world_size=1, device=device, backend="none", is_main=True,
+                       timeout=config.dist_timeout)
     load_what_optimizers_load()
     with collective("joining the process group"):
         dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                                 rank=launch.rank, world_size=launch.world_size,
                                 timeout=timedelta(seconds=config.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-    return Runtime(launch.rank, launch.local_rank, launch.world_size, device, backend, launch.rank == 0, config.dist_timeout)
+    return Runtime(rank=launch.rank, local_rank=launch.local_rank, world_size=launch.world_size, device=device,
+                   backend=backend, is_main=launch.rank == 0, timeout=config.dist_timeout)
 
 
 def load_what_optimizers_load() -> None:

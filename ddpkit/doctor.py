@@ -9,8 +9,8 @@ Then the speeds: every rank times the recipe's fixed training step (mnist_ddp.py
 check_step: the default model on a default batch of synthetic images, on its own device),
 and the first ranks of each pair of nodes time an exchange of 16 MB; rank 0 names, one
 line each, a rank, a node or a pair of nodes slower than 1.5 times the others (stragglers.py's
-factor) and slower by STEP_NOISE (a step) or PAIR_NOISE (an exchange) at least, a step in
-every one of STEP_ROUNDS rounds, with the `sbatch --exclude=NODE` that leaves the node out
+factor) and slower by STEP_NOISE (a step) or PAIR_NOISE (an exchange) at least, in every one
+of STEP_ROUNDS (PAIR_ROUNDS) rounds, with the `sbatch --exclude=NODE` that leaves the node out
 (where the job has other nodes: a rank slow against the ranks of its own node alone is not
 its node's to leave out). The pairs' passes stop after PAIR_BUDGET seconds, so that the check
 stays within a minute on many nodes.
@@ -56,12 +56,16 @@ TIMED_REPEATS = 3
 # rank's burst on shared cores, a neighbour's job) slows one round, a slow part slows them all.
 STEP_WARMUP, STEP_ROUNDS, STEP_REPEATS = 3, 3, 5
 PAIR_BYTES = 16 * 2**20  # sent each way between two nodes: large enough that the link, not latency, sets its time
-PAIR_REPEATS = 5  # timed passes over every pair of nodes, after one untimed (a pair's fastest counts)
+# Timed passes over every pair of nodes, after one untimed, each a round: as a step, a link is
+# slow only when it is slow in every round (a loaded node's scheduling, 10 ms more on a healthy
+# link of the test cluster, slows a pass now and then; a slow link slows them all).
+PAIR_ROUNDS = 5
 PAIR_BUDGET = 15.0  # seconds of the pairs' passes after which no further timed pass starts (one always runs)
 STEP_NOISE = 0.002  # seconds: a step slower by less is noise (a GPU step's jitter), however many times the others
-# seconds: an exchange slower by less is noise, however many times the others (a loaded node's
-# scheduling: 10 ms more on a healthy link of the test cluster, whose exchanges take about 18 ms)
-PAIR_NOISE = 0.025
+# seconds: an exchange slower by less is noise, however many times the others. Small, since a
+# fast network's exchange takes 1-2 ms (InfiniBand, 100 GbE), and one fallen back to 10 GbE TCP
+# about 13 ms; a veth pair's takes about 18 ms.
+PAIR_NOISE = 0.005
 PREFIX = "mnist-ddp-check"  # its keys, apart from any others in torchrun's store
 
 
@@ -275,7 +279,7 @@ def check_speeds(made: tuple[str, Callable[[], object]] | Exception | None, devi
             seconds = [-math.inf if node_fault(err) else math.nan] * STEP_ROUNDS  # (-inf: a fault of its node's GPU)
     try:
         step_seconds = gather_step_times_all_ranks(seconds, device) if made is not None else []
-        pair_seconds = time_pairs_of_nodes_all_ranks(device, nodes, rank)
+        link_times = time_pairs_of_nodes_all_ranks(device, nodes, rank)
     except Exception as err:
         say(f"check failed: rank {rank} on {me['host']} lost contact with the others while the speeds were timed "
             f"({first_line(err)}); {hints}")
@@ -283,12 +287,13 @@ def check_speeds(made: tuple[str, Callable[[], object]] | Exception | None, devi
     broken = [r for r, rounds in enumerate(step_seconds) if not all(map(math.isfinite, rounds))]
     faulty = [r for r in broken if -math.inf in step_seconds[r]]
     if rank == 0:
-        for line in speed_figures(what, [statistics.median(rounds) for rounds in step_seconds], pair_seconds):
+        for line in speed_figures(what, [statistics.median(rounds) for rounds in step_seconds],
+                                  {pair: statistics.median(rounds) for pair, rounds in link_times.items()}):
             say(line)
         for line in broken_lines(broken, faulty, nodes):
             say(line)
         if not broken:
-            slow = slow_lines(step_seconds, nodes, pair_seconds)
+            slow = slow_lines(step_seconds, nodes, link_times)
             for line in slow:
                 say(line)
             say(f"check passed in {process_age():.1f} s: every rank joined, connected and reduced correctly; training "
@@ -443,24 +448,23 @@ def exchange(peer: int, data: torch.Tensor, into: torch.Tensor) -> None:
     synchronize(data.device)
 
 
-def time_pairs_of_nodes_all_ranks(device: torch.device, nodes: list[str], rank: int) -> dict[tuple[str, str], float]:
-    """{(node, node): seconds} of an exchange of PAIR_BYTES each way between the first ranks of
-    each pair of nodes, on every rank. The first ranks go through pair_rounds' order (a round's
-    pairs share no node and run at once; no rank is in two exchanges at a time) 1 +
-    PAIR_REPEATS times, the first untimed (NCCL builds each pair's communicator), and a pair's
-    time is its fastest exchange: what the link can do, which a busy moment on either node
-    only slows, whereas a slow link (a NIC at a lower rate, a bad cable, a congested route) is
-    slow every time; the passes spread each pair's exchanges over the whole schedule, so that
-    one busy moment does not slow all of them. A small exchange before each timed one starts
-    both ends together. After each timed pass every rank learns whether the slowest first
-    rank has spent PAIR_BUDGET seconds on them (on many nodes, a pass is long), and then no
-    pass follows: the ranks agree, so that no first rank waits for a peer that stopped."""
+def time_pairs_of_nodes_all_ranks(device: torch.device, nodes: list[str], rank: int) -> dict[tuple[str, str], list[float]]:
+    """{(node, node): [seconds a round]} of an exchange of PAIR_BYTES each way between the first
+    ranks of each pair of nodes, on every rank. The first ranks go through pair_rounds' order
+    (a round's pairs share no node and run at once; no rank is in two exchanges at a time) 1 +
+    PAIR_ROUNDS times, the first untimed (NCCL builds each pair's communicator), each timed
+    pass a round: a busy moment on either node slows one, whereas a slow link (a NIC at a
+    lower rate, a bad cable, a congested route) is slow every time, and the passes spread
+    each pair's exchanges over the whole schedule. A small exchange before each timed one
+    starts both ends together. After each timed pass every rank learns whether the slowest
+    first rank has spent PAIR_BUDGET seconds on them (on many nodes, a pass is long), and then
+    no pass follows: the ranks agree, so that no first rank waits for a peer that stopped, and
+    every pair has as many rounds."""
     names = list(dict.fromkeys(nodes))  # (in the order of their first ranks)
     first = {node: nodes.index(node) for node in names}
     pairs = [pair for round_pairs in pair_rounds(len(names)) for pair in round_pairs]
     if not pairs:  # (one node)
         return {}
-    times = torch.zeros(len(pairs), dtype=torch.float64, device=device)
     began = time.monotonic()
     peers: dict[int, int] = {}
     if first[nodes[rank]] == rank:
@@ -468,19 +472,23 @@ def time_pairs_of_nodes_all_ranks(device: torch.device, nodes: list[str], rank: 
         peers = {i: first[names[b if me == a else a]] for i, (a, b) in enumerate(pairs) if me in (a, b)}
         data, ready = torch.ones(PAIR_BYTES // 4, device=device), torch.ones(1, device=device)
         into, ready_into = torch.empty_like(data), torch.empty_like(ready)
-    fastest = dict.fromkeys(peers, math.inf)
-    for timed in [False] + [True] * PAIR_REPEATS:
+    rounds: dict[int, list[float]] = {i: [] for i in peers}
+    done = 0
+    for timed in [False] + [True] * PAIR_ROUNDS:
         for i, peer in peers.items():
             exchange(peer, ready, ready_into)
             started = time.perf_counter()
             exchange(peer, data, into)
             if timed:
-                fastest[i] = min(fastest[i], time.perf_counter() - started)
-        if timed and over_budget_all_ranks(began, PAIR_BUDGET, device):
-            break
-    for i, seconds in fastest.items():
-        times[i] = seconds
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+                rounds[i].append(time.perf_counter() - started)
+        if timed:
+            done += 1
+            if over_budget_all_ranks(began, PAIR_BUDGET, device):
+                break
+    times = torch.zeros(len(pairs), done, dtype=torch.float64, device=device)
+    for i, seconds in rounds.items():
+        times[i] = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # (both ends timed it: the slower counts)
     return {(names[a], names[b]): seconds for (a, b), seconds in zip(pairs, times.tolist(), strict=True)}
 
 
@@ -532,16 +540,36 @@ def slower_in_every_round(rounds: dict, noise: float) -> dict:
             for key in rounds if verdicts and all(key in verdict for verdict in verdicts)}
 
 
-def slow_lines(step_seconds: list[list[float]], nodes: list[str], pair_seconds: dict[tuple[str, str], float]) -> list[str]:
+def slow_links_in_every_round(link_times: dict[tuple[str, str], list[float]]) -> tuple[list[tuple[str, str]], float]:
+    """(the pairs of nodes slow in every round, the median of the rounds' measures): in each
+    round a pair is slow above SLOW_FACTOR times the median node's fastest exchange of that
+    round, and PAIR_NOISE above it."""
+    measures, slow = [], set(link_times)
+    for k in range(len(next(iter(link_times.values())))):
+        fastest = {}
+        for pair, rounds in link_times.items():
+            for node in pair:
+                fastest[node] = min(fastest.get(node, math.inf), rounds[k])
+        typical = statistics.median(fastest.values())
+        measures.append(typical)
+        slow &= {pair for pair, rounds in link_times.items()
+                 if rounds[k] > SLOW_FACTOR * typical and rounds[k] - typical > PAIR_NOISE}
+    if not measures:  # (no round timed: nothing is slow)
+        return [], math.nan
+    return [pair for pair in link_times if pair in slow], statistics.median(measures)
+
+
+def slow_lines(step_seconds: list[list[float]], nodes: list[str], link_times: dict[tuple[str, str], list[float]]) -> list[str]:
     """Rank 0's verdict on the speeds, one line for each node, rank or pair of nodes that is
     slow, with the sbatch option that leaves the node out; none when nothing is.
 
     step_seconds: each rank's median step in each round ([] if none was timed); nodes: each
-    rank's node; pair_seconds: {(node, node): seconds} of each pair's exchange. A node's step is
+    rank's node; link_times: {(node, node): [seconds]} of each pair's exchange in each round
+    (its median is its time in the lines). A node's step is
     its fastest rank's, so that a node is slow when all its ranks are; a rank is named apart
     only on a node that is not (its device, its CPUs), and its node is left out only where the
     job has others to run on (compared with the ranks of its own node alone, the rank's node is
-    not the slow part). Either is slow only in every round. A pair of nodes is slow
+    not the slow part). Each is slow only in every round. A pair of nodes is slow
     against the median node's fastest exchange, not the median pair: on three nodes, one with
     a slow link slows two of the three pairs. A node in two slow pairs or more is named for
     them all (the one that most share first), and a slow pair that shares no node with
@@ -568,16 +596,11 @@ def slow_lines(step_seconds: list[list[float]], nodes: list[str], pair_seconds: 
                 lines.append(f"check: rank {r} on {nodes[r]} is slow: a training step takes {1000 * seconds:.1f} ms, "
                              f"{seconds / others:.1f}x the other ranks' median of {1000 * others:.1f} ms (its device, or "
                              f"its CPUs?); {advice}")
-    if pair_seconds:
-        fastest = {}
-        for pair, seconds in pair_seconds.items():
-            for node in pair:
-                fastest[node] = min(fastest.get(node, math.inf), seconds)
-        typical = statistics.median(fastest.values())
+    if link_times:
+        slow, typical = slow_links_in_every_round(link_times)
+        pair_seconds = {pair: statistics.median(rounds) for pair, rounds in link_times.items()}
         order = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
-        slow = sorted((pair for pair, seconds in pair_seconds.items()
-                       if seconds > SLOW_FACTOR * typical and seconds - typical > PAIR_NOISE),
-                      key=lambda pair: sorted(order.get(node, len(order)) for node in pair))
+        slow = sorted(slow, key=lambda pair: sorted(order.get(node, len(order)) for node in pair))
         exchange = f"an exchange of {PAIR_BYTES // 2**20} MB"
         measure = f"the median node's fastest exchange of {typical:.3f} s"
         while slow:

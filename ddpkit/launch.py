@@ -115,14 +115,25 @@ class StopSignals:
                 while not self.interrupted and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if not (self.interrupted or self.training):
-                    print(f"{PROG}: error: {INTERRUPTED}", file=sys.stderr, flush=True)
-                    os._exit(128 + signal.SIGINT)
+                    self.end_at_once()
+
+    @staticmethod
+    def end_at_once() -> None:
+        """End this process after a Ctrl-C before training as the job runner ends it (its line,
+        and 130 left by record_exit where the job's supervisor reads each rank's code), but at
+        once: the program still loads, with nothing to save or tear down, or its main thread
+        waits in C++ and cannot act."""
+        code = 128 + signal.SIGINT
+        try:
+            print(f"{PROG}: error: {INTERRUPTED}", file=sys.stderr, flush=True)
+            record_exit(code, read_launch_env(os.environ, alone_ok=True))
+        finally:  # (whatever fails above: the Ctrl-C still ends the process)
+            os._exit(code)
 
     def handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.loading:
             # Not an exception: code being imported may catch every one (a bare except) and go on.
-            print(f"{PROG}: error: {INTERRUPTED}", file=sys.stderr, flush=True)
-            os._exit(128 + signal.SIGINT)  # (the job runner's code for a Ctrl-C before training)
+            self.end_at_once()
         if signum == signal.SIGINT and not self.training:
             self.interrupted = True
             raise KeyboardInterrupt

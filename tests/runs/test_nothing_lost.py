@@ -27,7 +27,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddpkit.checkpoints import read_checkpoint
-from ddpkit.contract import EXIT_DIVERGED, EXIT_STOPPED
+from ddpkit.contract import EXIT_DIVERGED, EXIT_STOPPED, JobEnv, JobPaths, read_codes
 from helpers.images import SAMPLE, read_metrics
 from helpers.processes import SCRIPT, assert_ok, clean_env, press_ctrl_c, run_as_srun, run_python, run_single
 
@@ -431,16 +431,17 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_130(workdir):
     assert not (workdir / "runs").exists()
 
 
-def start_two_ranks_with_rank_0_held_in_import_torch(workdir: Path, master_port: int = 0) -> tuple[list, Path]:
-    """Two ranks started as srun starts them, both with their handlers set, rank 0 held in
-    `import torch` until the returned file exists (HOLD_TORCH)."""
+def start_two_ranks_with_rank_0_held_in_import_torch(workdir: Path, master_port: int = 0,
+                                                     env: dict[str, str] | None = None) -> tuple[list, Path]:
+    """Two ranks started as srun starts them (with `env` too), both with their handlers set,
+    rank 0 held in `import torch` until the returned file exists (HOLD_TORCH)."""
     held = workdir / "held"
     held.mkdir()
     (held / "sitecustomize.py").write_text(HOLD_TORCH)
     release = workdir / "release-torch"
     ranks = run_as_srun(2, ["--epochs", "1", "--batch-size", str(BATCH), "--run-name", "held", "--dist-timeout", "300"],
                         workdir, job_id="", command=[sys.executable, str(SCRIPT)], detach=True, master_port=master_port,
-                        env={"PYTHONPATH": f"{held}{os.pathsep}{SCRIPT.parent}", "HOLD_TORCH": str(release)})
+                        env={**(env or {}), "PYTHONPATH": f"{held}{os.pathsep}{SCRIPT.parent}", "HOLD_TORCH": str(release)})
     assert [rank.stderr.readline() for rank in ranks] == ["loading torch\n"] * 2
     return ranks, release
 
@@ -459,12 +460,16 @@ def test_ctrl_c_while_rank_0_loads_torch_ends_every_rank_with_130_at_once(workdi
     """Ctrl-C (srun passes it to every task) while rank 0 is held in `import torch` and rank 1
     waits in the rendezvous for it (the test holds the rendezvous port and answers nothing,
     as rank 0 would not yet): both end at once with the line and 130, before anything could
-    be saved. Before, rank 0 did, and rank 1 waited on for --dist-timeout (300 s here)."""
+    be saved, and leave their 130 in the job's folder for run_training.sbatch, as a Ctrl-C
+    that the job runner ends does. Before, rank 0 did, and rank 1 waited on for --dist-timeout
+    (300 s here); then both ended without leaving their codes."""
+    job_dir = JobPaths.job_dir(str(workdir), "1")
     with socket.socket() as rendezvous:
         rendezvous.bind(("127.0.0.1", 0))
         rendezvous.listen()
         rendezvous.settimeout(120)
-        ranks, _ = start_two_ranks_with_rank_0_held_in_import_torch(workdir, rendezvous.getsockname()[1])
+        ranks, _ = start_two_ranks_with_rank_0_held_in_import_torch(workdir, rendezvous.getsockname()[1],
+                                                                    env={JobEnv.EXIT_DIR: job_dir})
         waiting, _ = rendezvous.accept()  # rank 1 is in the rendezvous, in torch's C++
         for rank in ranks:
             rank.send_signal(signal.SIGINT)
@@ -473,6 +478,7 @@ def test_ctrl_c_while_rank_0_loads_torch_ends_every_rank_with_130_at_once(workdi
     assert [code for code, _, _ in ended] == [130, 130], ended
     for _, _, err in ended:
         assert err.splitlines()[-1] == "mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved"
+    assert read_codes(job_dir) == {0: 130, 1: 130}
     assert not list(workdir.glob("runs/*/checkpoints/*.pt"))
 
 
