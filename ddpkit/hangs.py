@@ -233,9 +233,10 @@ def not_waiting(summaries: dict[int, dict], peers: list[Peer]) -> list[Peer]:
 
 def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, folder: Path) -> str:
     """The one line: the ranks that have not reached the collective the others wait in,
-    their hosts and where each is; then where the stacks are. None ("") when every rank waits
-    in the same collective, which is slow (as a Gloo group's first ones can be): no rank is
-    behind."""
+    their hosts and where each is; then where the stacks are. When every rank waits in the
+    same collective no rank is behind: the line names none, and at start-up there is none
+    ("") at all (a Gloo group's first collectives can be slow under load); in training the
+    network or the backend stalls (a fabric fault inside the gradient all-reduce)."""
     waiting = {r: s for r, s in summaries.items() if s.get("waiting")}
     labels = sorted({s["waiting"] for s in waiting.values()}, key=lambda w: -sum(s["waiting"] == w for s in waiting.values()))
     behind = []
@@ -251,7 +252,10 @@ def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, f
     step = min((s["step"] for s in summaries.values() if "step" in s), default=STARTING)
     ranks = ", ".join(str(r) for r in sorted(waiting)) or "none"
     if not behind and len(labels) == 1:  # (a slow collective, the network's or the backend's: no rank to name)
-        return ""
+        if step == STARTING:
+            return ""
+        return (f"hang {when(step)}: every rank waits in {labels[0]} for {waited:.0f} s, none behind: the network or the "
+                f"collective backend (NCCL, Gloo) stalls, not a rank; every rank's stacks: {folder}")
     if not behind:
         every = "; ".join(f"rank {r} in {s['waiting']} at {s['where']}" for r, s in sorted(waiting.items()))
         return (f"hang {when(step)}: every rank waits in a collective, not all in the same one? {every}; every "
