@@ -17,9 +17,11 @@ stopped (state T), in uninterruptible I/O (state D), or gone. The lowest waiting
 prints the verdict in one line. A C call that holds the interpreter's lock stops the
 watchdog thread too: faulthandler, armed by it at every look, then writes that rank's
 stacks from C. Healing is as before: --dist-timeout ends the wait, and the job starts
-again from its newest checkpoint. The watch runs from the moment the ranks have met, right
-after the process group is made (jobs.py): a rank that never answers at start-up, in a
-barrier, the staging lock or the first broadcast of the weights, is named as in training.
+again from its newest checkpoint. The watch starts once the ranks have exchanged their
+hosts (jobs.py; the two collectives before it, the run directory's broadcast and the host
+names' gather, are bounded by --dist-timeout alone): from then on, a rank that never answers
+at start-up, in a barrier, the staging lock or the first broadcast of the weights, is named
+as in training.
 
 Standard library only: distributed.py marks its collectives here."""
 
