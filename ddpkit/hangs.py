@@ -17,9 +17,11 @@ stopped (state T), in uninterruptible I/O (state D), or gone. The lowest waiting
 prints the verdict in one line. A C call that holds the interpreter's lock stops the
 watchdog thread too: faulthandler, armed by it at every look, then writes that rank's
 stacks from C. Healing is as before: --dist-timeout ends the wait, and the job starts
-again from its newest checkpoint. The watch runs from the moment the ranks have met, right
-after the process group is made (jobs.py): a rank that never answers at start-up, in a
-barrier, the staging lock or the first broadcast of the weights, is named as in training.
+again from its newest checkpoint. The watch starts once the ranks have exchanged their
+hosts (jobs.py; the two collectives before it, the run directory's broadcast and the host
+names' gather, are bounded by --dist-timeout alone): from then on, a rank that never answers
+at start-up, in a barrier, the staging lock or the first broadcast of the weights, is named
+as in training.
 
 Standard library only: distributed.py marks its collectives here."""
 
@@ -233,9 +235,10 @@ def not_waiting(summaries: dict[int, dict], peers: list[Peer]) -> list[Peer]:
 
 def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, folder: Path) -> str:
     """The one line: the ranks that have not reached the collective the others wait in,
-    their hosts and where each is; then where the stacks are. None ("") when every rank waits
-    in the same collective, which is slow (as a Gloo group's first ones can be): no rank is
-    behind."""
+    their hosts and where each is; then where the stacks are. When every rank waits in the
+    same collective no rank is behind: the line names none, and at start-up there is none
+    ("") at all (a Gloo group's first collectives can be slow under load); in training the
+    network or the backend stalls (a fabric fault inside the gradient all-reduce)."""
     waiting = {r: s for r, s in summaries.items() if s.get("waiting")}
     labels = sorted({s["waiting"] for s in waiting.values()}, key=lambda w: -sum(s["waiting"] == w for s in waiting.values()))
     behind = []
@@ -251,7 +254,10 @@ def verdict_line(summaries: dict[int, dict], peers: list[Peer], waited: float, f
     step = min((s["step"] for s in summaries.values() if "step" in s), default=STARTING)
     ranks = ", ".join(str(r) for r in sorted(waiting)) or "none"
     if not behind and len(labels) == 1:  # (a slow collective, the network's or the backend's: no rank to name)
-        return ""
+        if step == STARTING:
+            return ""
+        return (f"hang {when(step)}: every rank waits in {labels[0]} for {waited:.0f} s, none behind: the network or the "
+                f"collective backend (NCCL, Gloo) stalls, not a rank; every rank's stacks: {folder}")
     if not behind:
         every = "; ".join(f"rank {r} in {s['waiting']} at {s['where']}" for r, s in sorted(waiting.items()))
         return (f"hang {when(step)}: every rank waits in a collective, not all in the same one? {every}; every "

@@ -182,7 +182,7 @@ class Job:
     progress: Progress = dataclasses.field(default_factory=Progress)  # the run's, once resumed (a lost peer names its step)
     on_divergence: Mapping[str, str] = dataclasses.field(default_factory=dict)
     startup: StartupClock = dataclasses.field(default_factory=StartupClock)  # rank 0 prints `ready in` at the first step
-    hang_watch: HangWatch | None = None  # this rank's watchdog (several ranks), once the ranks have met
+    hang_watch: HangWatch | None = None  # this rank's watchdog (several ranks), once the ranks have exchanged hosts
     peers: list[Peer] = dataclasses.field(default_factory=list)  # every rank, once they have met
     new_run_dir: bool = False  # the run's directory is this start's: removed at the end if it stays empty
 
@@ -269,12 +269,13 @@ class Job:
         return ckpt_path, changed, loss_sums
 
     def meet_the_other_ranks(self) -> None:
-        """Right after the process group is made: the run's directory (rank 0's choice), every
-        rank's host, process id and Slurm node, in rank order; then, with several ranks, the
-        hang watch, so that a rank that never answers at start-up (in a barrier, the staging
-        lock, the first broadcast of the weights) is named as in training. The job's attempt
-        becomes the highest any rank counts (torchrun's agents count their restarts each on
-        their own)."""
+        """Right after the process group is made, two collectives: the run's directory (rank 0's
+        choice) and every rank's host, process id and Slurm node, in rank order. Then, with
+        several ranks, the hang watch, which needs both (its folder, the peers it names): from
+        there on a rank that never answers at start-up (in a barrier, the staging lock, the
+        first broadcast of the weights) is named as in training; one that hangs in those two
+        collectives is bounded by --dist-timeout alone. The job's attempt becomes the highest
+        any rank counts (torchrun's agents count their restarts each on their own)."""
         self.run_dir, self.new_run_dir = agree_on_run_dir(self.options, self.launch, self.rt)
         starts = gather_to_all((socket.gethostname(), self.launch.attempt, os.getpid(), time.strftime("%Y%m%d-%H%M%S"),
                                 self.launch.node), "sharing the host names")

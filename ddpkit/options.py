@@ -51,8 +51,8 @@ class RunOptions:
     # distributed
     backend: str = option("auto", "auto: nccl on CUDA, else gloo", "distributed", choices=("auto", "gloo", "nccl"))
     device: str = option("auto", "auto: cuda when available", "distributed", choices=("auto", "cpu", "cuda"))
-    dist_timeout: float = option(300.0, "seconds a collective (or the data directory's lock) may wait for a missing "
-                                 "rank (or its holder) before the job fails", "distributed")
+    dist_timeout: float = option(300.0, "seconds a collective may wait for a missing rank (or the data directory's "
+                                 "lock for a sign of life of its holder) before the job fails", "distributed")
     hang_after: float = option(0.0, "seconds a rank may wait on the others (in a training step or a collective) before "
                                "the ranks write their stacks to RUN_DIR/hangs and one line names the rank that holds "
                                "them up, where it is and on which host (0: a fifth of --dist-timeout, at least 10 s; "

@@ -18,6 +18,7 @@ import socket
 import stat as stat_lib
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -34,6 +35,7 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (imagesets.py)
 LOCK_FILE = ".mnist_ddp.lock"  # a data directory's lock, which names its holder (data_lock)
 LOCK_NOTICE = 5.0  # seconds of waiting for the lock after which a line says who holds it
+BEAT = 2.0  # seconds between the signs of life of the lock's holder (data_lock)
 
 
 DIGITS = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight",
@@ -75,36 +77,69 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: R
     """Hold DATA_DIR/.mnist_ddp.lock: concurrent jobs, and nodes sharing an NFS data
     directory, take turns at writing into it. POSIX locks also work across NFS clients.
     A directory that cannot be written is refused in one line (`lacking` says what for).
-    The holder writes who it is into the file (host, pid, rank, since when); a process
-    waits for it at most --dist-timeout (`rt`'s; outside a run, its default), names the
-    holder after LOCK_NOTICE seconds, and then ends with HeldUp (exit 4), naming it again:
-    a holder that stopped or hung (a rank of this job, on another node) would hold it for good."""
+    The holder writes who it is into the file (host, pid, rank, since when), and while it
+    holds it a thread of its own rewrites that record every BEAT seconds (a beat counter):
+    a holder that works, however long (a download, measuring a whole training set), shows
+    that it is alive. A waiter names the holder after LOCK_NOTICE seconds and waits while
+    the beats go on; --dist-timeout (`rt`'s; outside a run, its default) after the last beat
+    it saw, it ends with HeldUp (exit 4), naming the holder again: a holder that stopped,
+    hung in a C call or is gone (a rank of this job, on another node) beats no more."""
     path = data_dir / LOCK_FILE
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
-        lock_file = open(path, "a")
+        lock_file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b", buffering=0)  # (no truncation: a holder's record)
     except OSError as err:
         raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}){lacking}; pass a writable {flag}, or "
                          "stage the data into it elsewhere first") from None
     with lock_file:
         wait_for_lock(lock_file, path, rt)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rt.rank if rt else None,
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S"), "beat": 0}
+        released = threading.Event()
+        beats = threading.Thread(target=beat_while_held, args=(lock_file.fileno(), record, released), daemon=True,
+                                 name="data-lock-beat")
         try:
-            lock_file.truncate(0)  # (opened to append: each write lands at the end, here the start)
-            lock_file.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rt.rank if rt else None,
-                                        "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
-            lock_file.flush()
+            write_lock_record(lock_file.fileno(), record)
+            beats.start()
             yield
         finally:
+            released.set()
+            if beats.is_alive():
+                beats.join()
             with contextlib.suppress(OSError):
-                lock_file.truncate(0)  # (the next holder names itself)
+                os.ftruncate(lock_file.fileno(), 0)  # (the next holder names itself)
+
+
+def write_lock_record(fd: int, record: dict) -> None:
+    """Write the holder's record over the lock file's, in one write from its start (a reader
+    never finds it empty), and push it to the file server (on NFS, a waiter on another node
+    reads it only then)."""
+    data = (json.dumps(record) + "\n").encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))  # (a longer record of a killed holder may be left past it)
+    os.fsync(fd)
+
+
+def beat_while_held(fd: int, record: dict, released: threading.Event) -> None:
+    """The holder's sign of life: its record rewritten every BEAT seconds, its beat counted,
+    until the lock is released. (A process stopped, or stuck in a C call that holds the
+    interpreter's lock, beats no more.)"""
+    beat = dict(record)
+    while not released.wait(BEAT):
+        beat["beat"] += 1
+        with contextlib.suppress(OSError):  # (a file server that is away: the waiters judge by the beats they see)
+            write_lock_record(fd, beat)
 
 
 def wait_for_lock(lock_file, path: Path, rt: Runtime | None) -> None:
-    """Take the lock of `lock_file` (at `path`), waiting at most --dist-timeout for its holder.
-    The wait is labelled for the hang watch, so that a rank of this job that holds the lock
-    and stopped is named as the one the others wait for."""
+    """Take the lock of `lock_file` (at `path`), waiting for its holder while it beats, and at
+    most --dist-timeout after the last change of its record that this process saw. Beats
+    are timed on this process's own clock when it sees them, so clocks that differ between
+    nodes do not matter. The wait is labelled for the hang watch, so that a rank of this job
+    that holds the lock and stopped is named as the one the others wait for."""
     limit = rt.timeout if rt else Runtime.timeout
     started, said, before = time.monotonic(), False, None
+    seen, last_sign = None, started
     try:
         while True:
             try:
@@ -113,17 +148,22 @@ def wait_for_lock(lock_file, path: Path, rt: Runtime | None) -> None:
             except OSError as err:
                 if err.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
-            holder = lock_holder(path)
-            waited = time.monotonic() - started
+            now = time.monotonic()
+            with contextlib.suppress(OSError):
+                record = path.read_bytes()  # (opened anew: on NFS, what the server holds)
+                if record != seen:
+                    seen, last_sign = record, now
+            holder = lock_holder(seen or b"")
             if before is None:
                 before = hangs.doing(f"the lock {path}, held by {holder}")
-            if waited >= limit:
-                raise HeldUp(f"waited {limit:g} s (--dist-timeout) for the lock {path}, held by {holder}: that process "
-                             "stopped, hangs or is slow. Nothing saved is lost: run_training.sbatch starts the job again by "
-                             "itself (a rank of its own that holds the lock ends with it); elsewhere end that process or "
-                             "wait for it, and run the same command again") from None
-            if not said and waited >= LOCK_NOTICE:
-                print(f"{PROG}: waiting for the lock {path}, held by {holder}, for at most {limit:g} s (--dist-timeout)",
+            if now - last_sign >= limit:
+                raise HeldUp(f"waited for the lock {path}, held by {holder}, which showed no sign of life for {limit:g} s "
+                             "(--dist-timeout): that process stopped or hangs. Nothing saved is lost: run_training.sbatch "
+                             "starts the job again by itself (a rank of its own that holds the lock ends with it); elsewhere "
+                             "end that process or wait for it, and run the same command again") from None
+            if not said and now - started >= LOCK_NOTICE:
+                print(f"{PROG}: waiting for the lock {path}, held by {holder}, as long as it shows it is alive (every "
+                      f"{BEAT:g} s), and at most {limit:g} s (--dist-timeout) after its last sign of life",
                       file=sys.stderr, flush=True)
                 said = True
             time.sleep(0.2)
@@ -132,14 +172,14 @@ def wait_for_lock(lock_file, path: Path, rt: Runtime | None) -> None:
             hangs.restore(before)
 
 
-def lock_holder(path: Path) -> str:
-    """Who holds the lock at `path`, as its holder wrote (on this host, how its process looks
-    from outside: stopped, in uninterruptible I/O, gone)."""
+def lock_holder(record: bytes) -> str:
+    """Who holds a lock, as its holder wrote in its file (`record`) (on this host, how its
+    process looks from outside: stopped, in uninterruptible I/O, gone)."""
     try:
-        holder = json.loads(path.read_text())
+        holder = json.loads(record)
         pid, host, rank = int(holder["pid"]), str(holder["host"]), holder.get("rank")
         since = str(holder["since"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return "a process that has not said who it is"
     seen = f", {hangs.process_state(pid)}" if host == socket.gethostname() else ""
     who = f"rank {rank} " if isinstance(rank, int) else ""

@@ -202,10 +202,52 @@ def test_a_stager_stopped_while_it_holds_the_data_lock_is_named_by_the_next_with
     print("\n".join(lines))
     held_by = (rf"data/\.mnist_ddp\.lock, held by rank 0 \(pid {holder.pid} on {re.escape(socket.gethostname())}, since "
                r"[\d: -]+, stopped \(state T, [^)]*\)\)")
-    assert re.fullmatch(rf"mnist_ddp\.py: waiting for the lock {held_by}, for at most 10 s \(--dist-timeout\)", lines[0])
-    assert re.fullmatch(rf"mnist_ddp\.py: error: waited 10 s \(--dist-timeout\) for the lock {held_by}: that process "
-                        r"stopped, hangs or is slow\. Nothing saved is lost: .*", lines[1]), lines[1]
+    assert re.fullmatch(rf"mnist_ddp\.py: waiting for the lock {held_by}, as long as it shows it is alive \(every 2 s\), "
+                        r"and at most 10 s \(--dist-timeout\) after its last sign of life", lines[0]), lines[0]
+    assert re.fullmatch(rf"mnist_ddp\.py: error: waited for the lock {held_by}, which showed no sign of life for 10 s "
+                        r"\(--dist-timeout\): that process stopped or hangs\. Nothing saved is lost: .*", lines[1]), lines[1]
     assert not (tmp_path / "runs" / "waits").exists()
+
+
+HOLDS_THE_LOCK = """
+import sys
+from pathlib import Path
+from ddpkit.staging import data_lock
+with data_lock(Path("data")):
+    print("held", flush=True)
+    sys.stdin.readline()  # (until the test says)
+"""
+
+
+def test_a_holder_that_works_longer_than_dist_timeout_keeps_the_next_waiting_until_it_is_done(tmp_path):
+    """A process holds the data directory's lock, alive, for longer than a run's --dist-timeout
+    (10 s) lasts (as a download of a large data set into a shared data directory does): the
+    run waits for it, says after 5 s who holds it and that it waits as long as the holder shows
+    it is alive, and stages the data once the holder lets go."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_THE_LOCK], cwd=tmp_path, env=clean_env(), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    waiter = None
+    try:
+        assert holder.stdout.readline() == "held\n", "the holder never took the lock"
+        waiter = preloaded.Run(["--download-only", "--dist-timeout", "10"], tmp_path, clean_env())
+        said, deadline = Path(waiter.err), time.monotonic() + 120
+        while not said.is_file() or "waiting for the lock" not in said.read_text():  # (5 s into its wait)
+            assert time.monotonic() < deadline and waiter.process.is_alive(), "the run never waited for the lock"
+            time.sleep(0.2)
+        time.sleep(11)  # (past its --dist-timeout of waiting, 5 s already behind it)
+        assert waiter.process.is_alive(), said.read_text()
+        holder.communicate("\n", timeout=60)
+        result = waiter.wait(120)
+    finally:
+        holder.kill()
+        holder.wait()
+        if waiter is not None:
+            waiter.kill()
+    assert result.returncode == 0, result.stderr[-3000:]
+    held_by = rf"data/\.mnist_ddp\.lock, held by \(pid {holder.pid} on {re.escape(socket.gethostname())}, since [\d: -]+, alive"
+    assert re.search(rf"mnist_ddp\.py: waiting for the lock {held_by}[^\n]*, as long as it shows it is alive \(every 2 s\), "
+                     r"and at most 10 s \(--dist-timeout\) after its last sign of life\n", result.stderr), result.stderr
+    assert "staged MNISTSample" in result.stdout, result.stdout[-3000:]
 
 
 def test_staging_folder_left_by_a_kill_is_removed_at_the_next_staging(tmp_path):

@@ -9,7 +9,11 @@ tests/runs/test_hangs.py.
     python -m pytest tests/unit/test_hangs_and_stragglers.py
 """
 
+import io
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,8 +56,8 @@ def test_the_verdict_names_each_rank_behind_and_how_it_was_seen():
 
 def test_a_verdict_at_start_up_says_so_and_one_slow_collective_that_every_rank_waits_in_has_none():
     """Before the first step of a start the report says "at start-up"; every rank waiting in the
-    same collective (a slow one: a Gloo group's first, under load) names no rank and has no line;
-    ranks waiting in different ones get a line that says so."""
+    same collective at start-up (a slow one: a Gloo group's first, under load) names no rank and
+    has no line; ranks waiting in different ones get a line that says so."""
     peers = [hangs.Peer(0, "a", 10), hangs.Peer(1, "b", 11)]
     stopped = {0: {"rank": 0, "step": hangs.STARTING, "waiting": "the broadcast", "where": "ddpkit/distributed.py:3 in x"}}
     line = hangs.verdict_line(stopped, peers, 8.2, Path("/r/hangs/x"))
@@ -65,6 +69,41 @@ def test_a_verdict_at_start_up_says_so_and_one_slow_collective_that_every_rank_w
     apart = {**both, 1: {**both[1], "waiting": "the barrier"}}
     assert hangs.verdict_line(apart, peers, 8.2, Path("/r/hangs/x")).startswith(
         "hang at start-up, before the first step: every rank waits in a collective, not all in the same one? ")
+
+
+def test_every_rank_waiting_in_one_collective_in_training_gets_a_line_that_names_no_rank(tmp_path):
+    """In training, every rank waiting in the gradient all-reduce (a network or NCCL that
+    stalls) is a hang the job must hear of: the lowest rank prints one line, which names no
+    rank, and hands none to the job's supervisor (which would pin a node). At start-up the
+    same wait prints nothing."""
+    label = "the gradient all-reduce of a training step"
+    peers = [hangs.Peer(0, "a", 10), hangs.Peer(1, "b", 11)]
+    both = {r: {"rank": r, "step": 6, "waiting": label, "where": "mnist_ddp.py:3 in train"} for r in (0, 1)}
+    assert hangs.verdict_line(both, peers, 9.4, Path("/r/hangs/x")) == (
+        "hang after step 6: every rank waits in the gradient all-reduce of a training step for 9 s, none behind: the "
+        "network or the collective backend (NCCL, Gloo) stalls, not a rank; every rank's stacks: /r/hangs/x")
+
+    def report(step: int) -> tuple[str, list]:
+        """Rank 0's report of a wait in `label`, rank 1 (another host) waiting in it too."""
+        folder, stream, named = tmp_path / str(step), io.StringIO(), []
+        watch = hangs.HangWatch(rank=0, peers=[hangs.Peer(0, socket.gethostname(), os.getpid()), peers[1]],
+                                folder=folder, hang_after=10, roots=(hangs.KIT,), stream=stream, named=named.append)
+        watch.arm_faulthandler()
+        hangs.write_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
+        before = hangs._step[0]
+        hangs._step[0] = step
+        try:
+            watch.report(label, time.monotonic() - 12, hangs.WAITS)
+        finally:
+            hangs._step[0] = before
+            watch.stop()
+        return stream.getvalue(), named
+
+    line, named = report(6)
+    assert re.fullmatch(r"hang after step 6: every rank waits in the gradient all-reduce of a training step for \d+ s, "
+                        r"none behind: .*; --dist-timeout ends the wait\n", line), line
+    assert named == []
+    assert report(hangs.STARTING) == ("", [])
 
 
 def test_innermost_frame_of_the_recipe_or_the_kit_from_a_real_faulthandler_dump(tmp_path):
