@@ -5,9 +5,9 @@
                        or the launcher ends it
   AID_HANG_HOST=H:N    the ranks on the host named H hang as step N ends, or as the first step
                        of a start past N does: at every start (a sick node), in Python
-  AID_STOP=R:S         rank R stops itself (SIGSTOP) S seconds after it joined the process
-                       group, at every start, wherever it then is (a node that hangs at start-up)
-  AID_STOP_HOST=H:S    the same for every rank on the host named H
+  AID_STOP=R           rank R stops itself (SIGSTOP) at every start as it wraps its model in
+                       DDP, before the broadcast of rank 0's weights (a node that hangs at start-up)
+  AID_STOP_HOST=H      the same for every rank on the host named H
   AID_STOP_LOCKED=1    a process stops itself (SIGSTOP) as soon as it holds a data directory's
                        lock (staging.data_lock), before it writes into the directory
   AID_SLOW=R:S         rank R sleeps S seconds before each forward pass of its model (and
@@ -30,7 +30,7 @@ ddpkit: sitecustomize.py beside it does so at start-up in every process whose PY
 holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks, Slurm jobs),
 and the tests' forkserver imports it before it imports ddpkit. The module wraps
 TrainingRun's methods as ddpkit.training_run is imported, the doctor's time_step as
-ddpkit.doctor is, init_distributed as ddpkit.distributed is and data_lock as ddpkit.staging
+ddpkit.doctor is, wrap_ddp as ddpkit.distributed is and data_lock as ddpkit.staging
 is (or at once, if they already were). The wrappers read the variables when they are
 called, so that a run forked from a process that imported ddpkit before the run's
 environment was known reads its own; unset, they do nothing.
@@ -146,38 +146,29 @@ def aid_doctor(module):
     module.time_step = time_step
 
 
-def stops_after_joining(rank):
-    """The seconds after joining the process group at which AID_STOP or AID_STOP_HOST stops
-    this rank, or None."""
+def stops_at_start_up(rank):
+    """Whether AID_STOP or AID_STOP_HOST stops this rank as it wraps its model in DDP."""
     import socket
     stop, host = fields("AID_STOP"), fields("AID_STOP_HOST")
-    if stop and int(stop[0]) == rank:
-        return float(stop[1])
-    if host and host[0] == socket.gethostname():
-        return float(host[1])
-    return None
+    return bool(stop and int(stop[0]) == rank or host and host[0] == socket.gethostname())
 
 
 def aid_distributed(module):
-    """Wrap the init_distributed of `module` (ddpkit.distributed, just imported), once: with
-    AID_STOP or AID_STOP_HOST, a thread stops the process some seconds after it returned."""
-    plain_init = module.init_distributed
-    if getattr(plain_init, "aided", False):
+    """Wrap the wrap_ddp of `module` (ddpkit.distributed, just imported), once: with AID_STOP
+    or AID_STOP_HOST, the rank stops itself before DDP's broadcast of rank 0's weights, the
+    first collective of a start once the ranks have met (a fixed point: no timing)."""
+    plain_wrap = module.wrap_ddp
+    if getattr(plain_wrap, "aided", False):
         return
 
-    def init_distributed(config, launch):
-        rt = plain_init(config, launch)
-        seconds = stops_after_joining(rt.rank)
-        if seconds is not None:
+    def wrap_ddp(model, rt):
+        if stops_at_start_up(rt.rank):
             import signal
-            import threading
-            stop = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGSTOP))
-            stop.daemon = True
-            stop.start()
-        return rt
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return plain_wrap(model, rt)
 
-    init_distributed.aided = True
-    module.init_distributed = init_distributed
+    wrap_ddp.aided = True
+    module.wrap_ddp = wrap_ddp
 
 
 def aid_staging(module):

@@ -96,14 +96,13 @@ def test_a_rank_stuck_in_a_c_call_that_holds_the_interpreter_is_named_from_its_f
 
 @pytest.mark.slow
 def test_a_rank_that_stops_at_start_up_is_named_before_the_first_step_and_the_other_ends_with_exit_4(tiny_folder, tmp_path):
-    """Rank 1 stops itself (SIGSTOP) one second after it joined the process group (a test-only
-    hook), before any training step, wherever it then is: staging, the data, the broadcast of
-    rank 0's weights. Rank 0 waits for it in the next collective; past --hang-after a line names
-    rank 1, stopped, and rank 0's wait, before any step ran, and --dist-timeout then ends rank 0
-    with the lost peer's code."""
+    """Rank 1 stops itself (SIGSTOP) at start-up, before any training step, as it wraps its
+    model in DDP (a testing aid, AID_STOP). Rank 0 waits for it in DDP's broadcast of rank 0's
+    weights; past --hang-after a line names rank 1, stopped, and rank 0's wait, before any step
+    ran, and --dist-timeout then ends rank 0 with the lost peer's code."""
     args = [*on_folder(tiny_folder), "--batch-size", "4", "--epochs", "1", "--dist-timeout", "20", "--hang-after", "5",
             "--run-dir", "run"]
-    code, err = run_with_rank_1_hung(args, tmp_path, env={"AID_STOP": "1:1"})
+    code, err = run_with_rank_1_hung(args, tmp_path, env={"AID_STOP": "1"})
     assert code == EXIT_LOST_PEER, err[-3000:]
     verdict = re.search(r"^hang at start-up, before the first step: rank 1 on (\S+) is stopped \(state T, [^;]*; rank\(s\) 0 "
                         r"wait for it in (.+) for \d+ s; every rank's stacks: (\S+); --dist-timeout ends the wait$", err, re.M)

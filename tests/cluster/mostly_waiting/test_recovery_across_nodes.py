@@ -123,14 +123,14 @@ def test_the_line_after_end_says_which_node_the_job_left_out_and_runs_as_printed
 
 
 def test_a_job_leaves_out_a_node_that_stops_at_every_start_up_and_finishes_on_the_other_two(three_nodes, tmp_path):
-    """A 2-node job whose rank on ftn2 stops itself (SIGSTOP) a second after it joined the process
-    group, at every start (AID_STOP_HOST=ftn2:1), before any step: rank 0 waits for it in a
-    collective of the start-up, a hang report names it (no answer, from another node), and
+    """A 2-node job whose rank on ftn2 stops itself (SIGSTOP) at every start as it wraps its model
+    in DDP (AID_STOP_HOST=ftn2), before any step: rank 0 waits for it in DDP's broadcast of the
+    weights, a hang report names it (no answer, from another node), and
     --dist-timeout ends the wait; after its second failure the job leaves ftn2 out and finishes
     on ftn1 and ftn3 with exit 0. (Slurm gives a job on idle nodes the lowest: ftn1 and ftn2.)"""
     args = [*FAST, "--epochs", "1", "--dist-timeout", "10", "--hang-after", "5"]
     client = three_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"], args,
-                                RUN_NAME="stops", AID_STOP_HOST="ftn2:1", MAX_RESTARTS="5")
+                                RUN_NAME="stops", AID_STOP_HOST="ftn2", MAX_RESTARTS="5")
     job_id, out = finish(client, tmp_path)
     reports = re.findall(r"^0: hang at start-up, before the first step: rank 1 on ftn2: no answer; rank\(s\) 0 wait for it "
                          r"in .*$", out, re.M)
