@@ -367,7 +367,10 @@ def tier_tests(files: list[str], marker: str) -> set[tuple[str, str]]:
         raise SystemExit(f"figures.py: pytest could not collect {' '.join(files)}:\n{collected.stdout}{collected.stderr}")
     ids = set()
     for node in (line for line in collected.stdout.splitlines() if "::" in line):
-        path, *classes, name = node.split("::")
+        # (a parameter's id may hold "::" itself, as an IPv6 address does: split before the "[")
+        test, bracket, params = node.partition("[")
+        path, *classes, name = test.split("::")
+        name += bracket + params
         ids.add((".".join([path.removesuffix(".py").replace("/", "."), *classes]), name))
     return ids
 
