@@ -392,10 +392,11 @@ class Job:
             # signal (scancel's SIGTERM) only stops.
             why = signal.Signals(stop.received).name if stop.received else "the time limit came near" if stop.time_up else ""
             if why in ("SIG" + requeue_signal, "the time limit came near"):
+                left = chains_left(os.environ)
                 with contextlib.suppress(OSError):  # (else the supervisor prints the continue line)
                     write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
-                    chains = chains_left(os.environ) > 0
-                then = f"it chains the job that continues the run (CHAIN={chains_left(os.environ)})" if chains else \
+                    chains = left > 0
+                then = f"it chains the job that continues the run (CHAIN={left})" if chains else \
                     "the line below continues the run"
                 print(f"run_training.sbatch requeues the job when this step has ended; where it cannot, {then}",
                       flush=True)

@@ -139,9 +139,10 @@ def tracker_problem(tracker: str) -> str:
                 "reaches (sqlite:////project/mlflow.db); export it before the run or the job starts")
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     file_store = uri not in ("databricks", "databricks-uc", "uc") and urlsplit(uri).scheme in ("", "file")  # (as MLflow reads it)
-    if tracker == "mlflow" and file_store and refuses_file_store(mlflow_version()):
+    version = mlflow_version() if tracker == "mlflow" and file_store else ""
+    if version and refuses_file_store(version):
         return (f"--tracker mlflow: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow "
-                f"{mlflow_version()} refuses: use a server (http://host:5000) or a database every "
+                f"{version} refuses: use a server (http://host:5000) or a database every "
                 "node reaches (sqlite:////project/mlflow.db), or export MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
     return ""
 

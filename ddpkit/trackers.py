@@ -52,6 +52,8 @@ MAX_WAITING = 100_000
 # conflict (two requests at once), a request limit, and 499, the status of MLflow's CANCELLED (a
 # request cancelled, by a proxy or the server).
 PASSING_HTTP = (408, 409, 429, 499)
+# The port of an http(s) address that names none.
+DEFAULT_PORTS = {"http": 80, "https": 443}
 # MLflow's log_batch takes 1000 metrics and 100 parameters at most.
 BATCH, PARAMS_BATCH = 1000, 100
 # How long a start waits for the sender of an earlier start to let go of tracker.json.
@@ -105,7 +107,7 @@ def server_key(uri: str) -> str:
         return uri.rstrip("/") or uri
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
-    port = "" if port in (None, {"http": 80, "https": 443}[parts.scheme.lower()]) else f":{port}"
+    port = "" if port in (None, DEFAULT_PORTS[parts.scheme.lower()]) else f":{port}"
     query = f"?{parts.query}" if parts.query else ""
     return f"{parts.scheme.lower()}://{host}{port}{parts.path.rstrip('/')}{query}"
 
@@ -123,7 +125,7 @@ def server_parts(key: str) -> tuple[str, tuple[str, int, str]] | None:
         parts = urlsplit(key.removeprefix("mlflow "))
         if not key.startswith("mlflow ") or parts.scheme not in ("http", "https") or not parts.hostname:
             return None
-        return parts.hostname, (parts.scheme, parts.port or {"http": 80, "https": 443}[parts.scheme], parts.path)
+        return parts.hostname, (parts.scheme, parts.port or DEFAULT_PORTS[parts.scheme], parts.path)
     except ValueError:
         return None
 

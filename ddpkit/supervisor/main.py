@@ -390,8 +390,8 @@ class Supervisor:
                 print(run_failure_line(rank, nodes), flush=True)
         new = [node for node in left_out(pinned) if node not in before]
         kept = self.kept_off() if new else []
+        usable = self.usable[0] if self.usable else None
         for node in new:
-            usable = self.usable[0] if self.usable else None
             print(leave_out_line(node, pinned[node]) if node in kept or not usable else
                   cannot_keep_off_line(node, failures=pinned[node], usable=usable, excluded=self.own_excluded() + kept,
                                        count=s.job_nodes), flush=True)
