@@ -23,6 +23,6 @@ def three_nodes(tmp_path_factory):
     One per file that uses it: test_recovery_across_nodes.py's tests take nodes down."""
     cluster = Cluster(tmp_path_factory.mktemp("slurm3"), 3,
                       clean_env(LOCAL_SLURM_PORT="16847", LOCAL_SLURM_PREFIX="ft", LOCAL_SLURM_SUBNET="10.231.11",
-                                LOCAL_SLURM_SELF_LOOPBACK="1", LOCAL_SLURM_CONF="SlurmdTimeout=10\nMessageTimeout=3"))
+                                LOCAL_SLURM_SELF_LOOPBACK="1", LOCAL_SLURM_CONF="SlurmdTimeout=10\nMessageTimeout=6"))
     yield cluster
     cluster.stop()
