@@ -99,12 +99,26 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import imagesets, jobs
-from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
-from ddpkit.imagesets import ImageSet, normalize
-from ddpkit.options import RunOptions, need, option
-from ddpkit.runlog import HParams
-from ddpkit.training_run import TrainingRun
+from ddpkit.api import (
+    HParams,
+    ImageSet,
+    Job,
+    RunOptions,
+    Runtime,
+    Stopped,
+    TrainingRun,
+    UsageError,
+    all_reduce,
+    exit_status,
+    need,
+    normalize,
+    option,
+    read_splits,
+    run_job,
+    stage_data,
+    sync_buffers,
+    wrap_ddp,
+)
 
 # ----------------------------------------------------------------------------- options
 
@@ -173,7 +187,7 @@ class Recipe:
             ranks = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
             lower, higher = self.global_batch // world_size * world_size, -(-self.global_batch // world_size) * world_size
             batches = " or ".join(str(n) for n in (lower, higher) if n)
-            raise launch.UsageError(
+            raise UsageError(
                 f"--global-batch {self.global_batch} does not split evenly among {world_size} ranks; run it on {ranks} "
                 f"ranks (they split it; a run resumes only with its own batch), or, for a new run (another --run-name), "
                 f"pass --global-batch {batches} (a multiple of {world_size}), or --batch-size N for N images per rank")
@@ -206,11 +220,11 @@ def hparams(recipe: Recipe, options: RunOptions, world_size: int, first: tuple[s
 
 # ----------------------------------------------------------------------------- data
 
-def read_data(recipe: Recipe, options: RunOptions, data_dir: Path, job: jobs.Job) -> tuple[ImageSet, ImageSet]:
+def read_data(recipe: Recipe, options: RunOptions, data_dir: Path, job: Job) -> tuple[ImageSet, ImageSet]:
     """Both splits as uint8 images [N, C, H, W] with their labels and class names: held in
     memory on the device when they fit (the fast path), else streamed from their files by a
     DataLoader (--data-feed). Data of another kind: return two ImageSets from here."""
-    return imagesets.read_splits(recipe.dataset, data_dir, options.data_feed, job.rt, job.launch.local_world_size)
+    return read_splits(recipe.dataset, data_dir, options.data_feed, job.rt, job.launch.local_world_size)
 
 
 def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor | None:
@@ -282,7 +296,7 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
         net.maxpool = nn.Identity()
         return net
     # A name added to MODELS before its branch here: say so, rather than train another network under its name.
-    raise launch.UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
+    raise UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
                             "that returns its nn.Module (docs/adapt.md)")
 
 
@@ -437,7 +451,7 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
           test_set: ImageSet) -> None:
     """Each epoch: this rank's shard in batches, one optimiser step each, then an evaluation
     of the (averaged) weights and a checkpoint. Every rank runs every line; `run` holds what
-    each event costs (ddpkit/training_run.py). A stop ends the loop with Stopped, and the job
+    each event costs (ddpkit/run/training_run.py). A stop ends the loop with Stopped, and the job
     runner requeues the Slurm job or prints the command that continues the run."""
     eval_model = average.model if average else raw_model
 
@@ -465,24 +479,24 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
             if run.checkpoint_due():  # every --ckpt-every steps or --ckpt-minutes, and before a stop
                 saved = run.checkpoint()
                 if run.stop_already_agreed():  # a signal, or the job's time limit near, on any rank: all stop here
-                    raise launch.Stopped(saved)
+                    raise Stopped(saved)
         if run.evaluation_due():  # (once per step: not again after a resume from a checkpoint of this step)
             run.evaluate(evaluate_now)
         run.epoch_done()  # the next epoch starts (not at the --max-steps cap, in mid-epoch)
         saved = run.checkpoint()
         run.estimate_time_left()  # (after the first epoch) whether the run fits in the job's time
         if run.all_ranks_vote_on_stop() and not run.done():  # a stop asked for during the evaluation; finishing is quicker
-            raise launch.Stopped(saved)
+            raise Stopped(saved)
     run.finish(evaluate_now, eval_model)
 
 
 # ----------------------------------------------------------------------------- main
 
-def prepare_and_train(job: jobs.Job) -> None:
+def prepare_and_train(job: Job) -> None:
     """This process's part of the job: data, model, the run (resumed where it stopped), the loop."""
     recipe, options, rt = job.recipe, job.options, job.rt
     with job.startup.phase("data"):  # (for the `ready in` line at the first step)
-        data_dir = imagesets.stage(options, recipe.dataset, rt)
+        data_dir = stage_data(options, recipe.dataset, rt)
         if options.download_only:
             print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
             return
@@ -500,8 +514,8 @@ def prepare_and_train(job: jobs.Job) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this process's part of the job; returns the exit code (see the manual above)."""
-    return jobs.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS, check_step=check_step)
+    return run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS, check_step=check_step)
 
 
 if __name__ == "__main__":
-    sys.exit(launch.exit_status(main()))
+    sys.exit(exit_status(main()))

@@ -48,8 +48,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, EXIT_USAGE, JobPaths
-from ddpkit.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
+from ddpkit.job.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, EXIT_USAGE, JobPaths
+from ddpkit.job.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
 
 HERE = Path(__file__).resolve().parent
 
@@ -98,7 +98,7 @@ def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
     mnist_ddp = recipe_module()
     from ddpkit.options import RunOptions
-    from ddpkit.runlog import declare_hparams as declare
+    from ddpkit.run.runlog import declare_hparams as declare
     varied = [name.replace("-", "_") for name in varying(runs)]
     varied += ["global_batch"] if "batch_size" in varied else []
     names = mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values

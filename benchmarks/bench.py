@@ -102,7 +102,7 @@ def reference(args) -> None:
             return F.log_softmax(self.fc2(x), dim=1)
 
     torch.manual_seed(0)
-    from ddpkit import staging
+    from ddpkit.data import staging
     cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": staging.fetcher(staging.MNIST_SAMPLE)}[args.dataset]
     train = cls(args.data_dir, train=True, transform=transforms.ToTensor())
     test = cls(args.data_dir, train=False, transform=transforms.ToTensor())

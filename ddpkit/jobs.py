@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 
 from ddpkit import hangs
-from ddpkit.checkpoints import (
-    Progress,
-    agree_on_checkpoint,
-    checkpoint_path,
-    remove_stale_temporaries,
-    resume_from,
-    run_is_done,
-    set_aside_checkpoints,
+from ddpkit.distributed import (
+    Runtime,
+    barrier,
+    gather_to_all,
+    init_distributed,
+    leave_after_lost_peer,
+    nondeterministic_operation,
+    teardown_distributed,
 )
-from ddpkit.contract import (
+from ddpkit.hangs import KIT, HangWatch, Peer, default_hang_after
+from ddpkit.job.contract import (
     CKPT_DIR,
     EXIT_BUG,
     EXIT_DIVERGED,
@@ -44,17 +45,6 @@ from ddpkit.contract import (
     requeue_job,
     resubmit_start,
 )
-from ddpkit.distributed import (
-    Runtime,
-    barrier,
-    gather_to_all,
-    init_distributed,
-    leave_after_lost_peer,
-    nondeterministic_operation,
-    teardown_distributed,
-)
-from ddpkit.doctor import StepMaker, check_job
-from ddpkit.hangs import KIT, HangWatch, Peer, default_hang_after
 from ddpkit.launch import (
     INTERRUPTED,
     PROG,
@@ -74,9 +64,19 @@ from ddpkit.launch import (
     write_exit_file,
 )
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
-from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
-from ddpkit.rundir import RunClaim, agree_on_run_dir, claim_run_dir
-from ddpkit.runlog import (
+from ddpkit.run.checkpoints import (
+    Progress,
+    agree_on_checkpoint,
+    checkpoint_path,
+    remove_stale_temporaries,
+    resume_from,
+    run_is_done,
+    set_aside_checkpoints,
+)
+from ddpkit.run.doctor import StepMaker, check_job
+from ddpkit.run.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
+from ddpkit.run.rundir import RunClaim, agree_on_run_dir, claim_run_dir
+from ddpkit.run.runlog import (
     HParams,
     NullLogger,
     RunLogger,
@@ -85,9 +85,9 @@ from ddpkit.runlog import (
     read_metrics_tolerantly,
     usable_cpus,
 )
-from ddpkit.time_limit import TimeLimit, read_job_times
-from ddpkit.trackers import NoTracker, Start, Tracker
-from ddpkit.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
+from ddpkit.run.time_limit import TimeLimit, read_job_times
+from ddpkit.run.trackers import NoTracker, Start, Tracker
+from ddpkit.run.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
 
 
 def requeue_slurm_job(launch: Launch) -> bool:

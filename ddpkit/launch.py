@@ -1,6 +1,6 @@
 """The launch environment: who this process is in the job (torchrun, Slurm's srun, or one
 process), the stop signals, the start-up clock, and the exit files the job's supervisor
-reads (their names and the exit codes: ddpkit/contract.py).
+reads (their names and the exit codes: ddpkit/job/contract.py).
 
 Standard library only, so that mnist_ddp.py can import it, and catch a stop signal, before
 torch has loaded (which takes seconds on shared storage)."""
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
+from ddpkit.job.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
 
 PROG = "mnist_ddp.py"
 INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ddpkit.contract import RUN_NAME_RULE, is_run_name
+from ddpkit.job.contract import RUN_NAME_RULE, is_run_name
 from ddpkit.launch import PROG, UsageError
 
 DATA_FEEDS = ("auto", "memory", "stream")

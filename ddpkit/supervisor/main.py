@@ -8,7 +8,7 @@ with MIN_NODES, when a node was lost; without a node that two failures were pinn
 nodes.py), requeues the job after a stop that asks for it (or,
 where Slurm does not, submits the job that continues the run: CHAIN), and prints the line
 that continues the run. What it and the ranks must agree on is
-ddpkit/contract.py; no rank imports this package.
+ddpkit/job/contract.py; no rank imports this package.
 
 It runs on the host with the python3 on the PATH (the active environment's, else the
 node's), outside the container when the ranks run in one (srun, scontrol and scancel are on
@@ -36,8 +36,8 @@ from typing import Dict, List, Optional, Tuple  # noqa: F401 (Tuple is in a type
 if __name__ == "__main__" and not __package__:  # run as a file: ddpkit is the parent of its directory's parent
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (after the path above)
-from ddpkit import sweeplines
-from ddpkit.contract import (
+from ddpkit.job import sweeplines
+from ddpkit.job.contract import (
     EXIT_BUG,
     EXIT_DIVERGED,
     EXIT_STOPPED,

@@ -29,7 +29,7 @@ import re
 import subprocess
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ddpkit.contract import SCONTROL_TIMEOUT, JobPaths, job_fields, last_line, read_hung, read_node_fault, run
+from ddpkit.job.contract import SCONTROL_TIMEOUT, JobPaths, job_fields, last_line, read_hung, read_node_fault, run
 from ddpkit.supervisor.outcome import Outcome
 
 LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out

@@ -5,7 +5,7 @@ standard library only."""
 import os
 from typing import List, Mapping, Tuple
 
-from ddpkit.contract import EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, NOT_RETRIED, JobPaths
+from ddpkit.job.contract import EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, NOT_RETRIED, JobPaths
 
 
 class Outcome:

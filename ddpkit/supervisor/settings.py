@@ -1,7 +1,7 @@
 """The job's settings: the environment variables at submission (docs/clusters.md lists them)
 and the job's own facts, each checked, with the defaults filled in (read_settings); a
 container's words; a sweep's array task; the ranks' interpreter. A wrong one is a JobError:
-one line on stderr and exit code 2. Python 3.6, standard library only (ddpkit/contract.py
+one line on stderr and exit code 2. Python 3.6, standard library only (ddpkit/job/contract.py
 says why)."""
 
 import os
@@ -10,8 +10,8 @@ import shlex
 import shutil
 from typing import Dict, List, Mapping  # noqa: F401 (Dict is in a type comment, which ruff does not read)
 
-from ddpkit import sweeplines
-from ddpkit.contract import RUN_NAME_RULE, JobPaths, default_run_name, is_run_name, port_from_job_id, this_job
+from ddpkit.job import sweeplines
+from ddpkit.job.contract import RUN_NAME_RULE, JobPaths, default_run_name, is_run_name, port_from_job_id, this_job
 
 PROG = "run_training.sbatch"
 SIGNALS = ("USR1", "TERM", "HUP", "INT")
@@ -176,7 +176,7 @@ def read_sweep_task(s: Settings, env: Mapping[str, str]) -> None:
         raise JobError(str(err)) from None
     s.run_name, s.sweep_args = lines[0], lines[1:]
     if not is_run_name(s.run_name):
-        raise JobError(f"ddpkit/sweeplines.py gave array task {env['SLURM_ARRAY_TASK_ID']} the run name '{s.run_name}', "
+        raise JobError(f"ddpkit/job/sweeplines.py gave array task {env['SLURM_ARRAY_TASK_ID']} the run name '{s.run_name}', "
                        f"not {RUN_NAME_RULE}; change the options of that line in {s.sweep_file}")
 
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from typing import Dict, List, Mapping, Tuple
 
-from ddpkit import sweeplines
-from ddpkit.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting
+from ddpkit.job import sweeplines
+from ddpkit.job.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting
 from ddpkit.supervisor.settings import PROG, SETTINGS, JobError, Settings
 
 IP_TIMEOUT = 10.0  # seconds for `ip`, which answers from this node's own tables

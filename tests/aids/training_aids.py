@@ -29,8 +29,8 @@ ddpkit holds no trace of them. A process gets them by importing this module befo
 ddpkit: sitecustomize.py beside it does so at start-up in every process whose PYTHONPATH
 holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks, Slurm jobs),
 and the tests' forkserver imports it before it imports ddpkit. The module wraps
-TrainingRun's methods as ddpkit.training_run is imported, the doctor's time_step as
-ddpkit.doctor is, wrap_ddp as ddpkit.distributed is and data_lock as ddpkit.staging
+TrainingRun's methods as ddpkit.run.training_run is imported, the doctor's time_step as
+ddpkit.run.doctor is, wrap_ddp as ddpkit.distributed is and data_lock as ddpkit.data.staging
 is (or at once, if they already were). The wrappers read the variables when they are
 called, so that a run forked from a process that imported ddpkit before the run's
 environment was known reads its own; unset, they do nothing.
@@ -44,10 +44,10 @@ import os
 import sys
 import time
 
-TRAINING_RUN = "ddpkit.training_run"
-DOCTOR = "ddpkit.doctor"
+TRAINING_RUN = "ddpkit.run.training_run"
+DOCTOR = "ddpkit.run.doctor"
 DISTRIBUTED = "ddpkit.distributed"
-STAGING = "ddpkit.staging"
+STAGING = "ddpkit.data.staging"
 
 
 def fields(name):
@@ -57,7 +57,7 @@ def fields(name):
 
 
 def aid(module):
-    """Wrap the TrainingRun of `module` (ddpkit.training_run, just imported) with the aids, once."""
+    """Wrap the TrainingRun of `module` (ddpkit.run.training_run, just imported) with the aids, once."""
     run = module.TrainingRun
     if getattr(run, "aided", False):
         return
@@ -126,7 +126,7 @@ def doctor_delay():
 
 
 def aid_doctor(module):
-    """Wrap the time_step of `module` (ddpkit.doctor, just imported) with the aids, once: the
+    """Wrap the time_step of `module` (ddpkit.run.doctor, just imported) with the aids, once: the
     step it times sleeps first."""
     plain_time_step = module.time_step
     if getattr(plain_time_step, "aided", False):
@@ -172,7 +172,7 @@ def aid_distributed(module):
 
 
 def aid_staging(module):
-    """Wrap the data_lock of `module` (ddpkit.staging, just imported), once: with
+    """Wrap the data_lock of `module` (ddpkit.data.staging, just imported), once: with
     AID_STOP_LOCKED=1, the process stops itself as soon as it holds the lock."""
     plain_lock = module.data_lock
     if getattr(plain_lock, "aided", False):

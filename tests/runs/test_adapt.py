@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.contract import EXIT_STOPPED
+from ddpkit.job.contract import EXIT_STOPPED
 from helpers.images import CLASSES, load_params, make_image_folder, read_metrics
 from helpers.processes import SCRIPT, assert_ok, run_as_srun, run_single
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.checkpoints import read_checkpoint
-from ddpkit.contract import EXIT_DIVERGED, EXIT_STOPPED
+from ddpkit.job.contract import EXIT_DIVERGED, EXIT_STOPPED
+from ddpkit.run.checkpoints import read_checkpoint
 from helpers.images import on_folder, read_metrics
 from helpers.processes import SCRIPT, assert_ok, clean_env, press_ctrl_c, run_as_srun, run_single, run_torchrun
 from helpers.scontrol import refusing_scontrol

@@ -26,8 +26,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit.checkpoints import read_checkpoint
-from ddpkit.contract import EXIT_DIVERGED, EXIT_STOPPED, JobEnv, JobPaths, read_codes
+from ddpkit.job.contract import EXIT_DIVERGED, EXIT_STOPPED, JobEnv, JobPaths, read_codes
+from ddpkit.run.checkpoints import read_checkpoint
 from helpers.images import SAMPLE, read_metrics
 from helpers.processes import SCRIPT, assert_ok, clean_env, press_ctrl_c, run_as_srun, run_python, run_single
 

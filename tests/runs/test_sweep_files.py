@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_sweep import hparams_sessions
 
-from ddpkit import sweeplines
+from ddpkit.job import sweeplines
 from helpers.processes import ROOT, clean_env, press_ctrl_c, run_python
 
 BIN = Path(sys.executable).parent

@@ -1,4 +1,4 @@
-"""ddpkit/checkpoints.py, at unit level with real files and torch.save/torch.load: atomic
+"""ddpkit/run/checkpoints.py, at unit level with real files and torch.save/torch.load: atomic
 saves that fail for real (an object pickle refuses, a full tmpfs), the temporaries of saves
 that never finished, checkpoint names (by step, never by name; a user's copy under another
 name left alone), setting later checkpoints aside, rotation, the choice of the checkpoint to
@@ -21,7 +21,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddpkit.checkpoints import (
+from ddpkit.distributed import Runtime
+from ddpkit.launch import UsageError
+from ddpkit.run.checkpoints import (
     Progress,
     checkpoint_differences,
     checkpoint_step,
@@ -33,8 +35,6 @@ from ddpkit.checkpoints import (
     save_checkpoint,
     set_aside_checkpoints,
 )
-from ddpkit.distributed import Runtime
-from ddpkit.launch import UsageError
 from helpers.checkpoints import BROKEN, names
 
 ONE = Runtime(0, 0, 1, torch.device("cpu"), "none", True)

@@ -1,4 +1,4 @@
-"""The job's contract (ddpkit/contract.py), what the supervisor, the ranks and sweep.py agree
+"""The job's contract (ddpkit/job/contract.py), what the supervisor, the ranks and sweep.py agree
 on: that each variable and file they pass is spelled there alone, and that the side the
 contract says writes it and the side it says reads it each refer to it; that no rank
 imports the supervisor; the rules themselves (the rendezvous port, the ranks' codes, the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import (
+from ddpkit.job.contract import (
     JobEnv,
     JobPaths,
     continuing_args,
@@ -30,11 +30,11 @@ from helpers.processes import ROOT
 
 # ----------------------------------------------------------------------------- one name, two sides
 
-CONTRACT = ROOT / "ddpkit" / "contract.py"
+CONTRACT = ROOT / "ddpkit" / "job" / "contract.py"
 SIDES = {  # each side of the contract: its modules
     "supervisor": sorted((ROOT / "ddpkit" / "supervisor").glob("*.py")),
-    "ranks": [ROOT / "mnist_ddp.py"] + sorted(p for p in (ROOT / "ddpkit").glob("*.py")
-                                               if p.name not in ("contract.py", "sweeplines.py")),
+    "ranks": [ROOT / "mnist_ddp.py"] + sorted(p for p in (ROOT / "ddpkit").rglob("*.py")
+                                               if p.parent.name not in ("job", "supervisor")),
     "sweep": [ROOT / "sweep.py"],
 }
 SHELL_FILES = [ROOT / "run_training.sbatch", ROOT / "local-slurm.sh"]
@@ -65,7 +65,7 @@ def shell_form(value: str) -> str:
 
 def test_every_variable_and_file_the_sides_share_is_spelled_in_the_contract_alone():
     """Each MNIST_DDP_* variable and each file of the run directory and the job's folder is a
-    string in ddpkit/contract.py alone: every other module names it through JobEnv or
+    string in ddpkit/job/contract.py alone: every other module names it through JobEnv or
     JobPaths (a rank's file rank-<r> too, as an f-string or a glob)."""
     spelled = {value: f"{table}.{name}" for table, cls in TABLES.items() for name, value in names_of(cls).items()}
     assert len(spelled) == sum(len(names_of(cls)) for cls in TABLES.values()), "two names spell the same string"
@@ -116,7 +116,7 @@ def uses(tree: ast.AST, functions: set) -> set:
 
 
 def imported_from_contract(tree: ast.AST) -> set:
-    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.contract"
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.job.contract"
             for alias in node.names}
 
 
@@ -209,8 +209,8 @@ def test_under_the_batch_file_the_advice_names_the_run_as_the_batch_file_does(tm
     """run_training.sbatch refuses --run-name after its file name: the advice that starts
     another run names RUN_NAME there (a job submitted with --resume never into a run that
     holds checkpoints)."""
-    from ddpkit.checkpoints import checkpoint_path, find_checkpoint
     from ddpkit.launch import UsageError
+    from ddpkit.run.checkpoints import checkpoint_path, find_checkpoint
     checkpoint_path(tmp_path, 40).parent.mkdir()
     checkpoint_path(tmp_path, 40).write_bytes(b"")
     monkeypatch.delenv(JobEnv.RESUBMIT, raising=False)

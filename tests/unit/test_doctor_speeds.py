@@ -1,4 +1,4 @@
-"""ddpkit/doctor.py's verdict on the speeds that `mnist_ddp.py --check` measures: which rank,
+"""ddpkit/run/doctor.py's verdict on the speeds that `mnist_ddp.py --check` measures: which rank,
 node or pair of nodes is slower than 1.5 times the others, in every round of the timed steps
 and by more than a noise floor (each line with the sbatch --exclude that leaves the node out,
 never a one-node job's only node), and the rounds in which the nodes' first ranks time
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpkit import doctor
-from ddpkit.contract import EXIT_BUG, EXIT_NODE_FAULT
-from ddpkit.doctor import broken_lines, check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
+from ddpkit.job.contract import EXIT_BUG, EXIT_NODE_FAULT
+from ddpkit.run import doctor
+from ddpkit.run.doctor import broken_lines, check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
 
 FAST = 0.02  # seconds of an exchange on a healthy link
 

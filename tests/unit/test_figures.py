@@ -212,7 +212,7 @@ def exit_codes_of_the_manual() -> set[str]:
 
 
 def test_the_readme_table_lists_every_exit_code_the_manual_and_launch_define():
-    from ddpkit import contract
+    from ddpkit.job import contract
     defined = {str(value) for name, value in vars(contract).items() if name.startswith("EXIT_")}
     in_manual = exit_codes_of_the_manual()
     assert defined <= in_manual, f"--help lacks {defined - in_manual}"
@@ -245,11 +245,11 @@ def requirements(name: str) -> set[str]:
 
 def test_requirements_name_every_package_the_code_imports():
     """requirements.txt names every package the code imports; the trackers' packages, which
-    only ddpkit/trackers.py imports (when asked for), requirements-dev.txt names instead."""
+    only ddpkit/run/trackers.py imports (when asked for), requirements-dev.txt names instead."""
     local = {"ddpkit", "mnist_ddp", "sweep"}
     distribution = {"PIL": "pillow"}  # an import name that is not its package's
     imported, optional = set(), set(TRACKER_PACKAGES.values())
-    for path in [ROOT / "mnist_ddp.py", ROOT / "sweep.py", *(ROOT / "ddpkit").glob("*.py")]:
+    for path in [ROOT / "mnist_ddp.py", ROOT / "sweep.py", *(ROOT / "ddpkit").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = {alias.name.split(".")[0] for alias in node.names}

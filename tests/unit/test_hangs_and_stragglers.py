@@ -1,4 +1,4 @@
-"""ddpkit/hangs.py and ddpkit/stragglers.py at unit level: a rank stopped or gone is named
+"""ddpkit/hangs.py and ddpkit/run/stragglers.py at unit level: a rank stopped or gone is named
 from outside (/proc of a real stopped process), the verdict names each rank behind and how
 it was seen, the innermost frame of the recipe or the kit is read from a real faulthandler
 dump, code outside the project and torch is named, a hook on autograd's own thread is joined
@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from ddpkit import hangs, stragglers
+from ddpkit import hangs
+from ddpkit.run import stragglers
 
 
 def test_a_stopped_or_gone_process_is_named_from_outside():
@@ -45,10 +46,10 @@ def test_the_verdict_names_each_rank_behind_and_how_it_was_seen():
     peers = [hangs.Peer(0, "a", 10), hangs.Peer(1, "a", 11), hangs.Peer(2, "b", 12), hangs.Peer(3, "c", 13)]
     summaries = {0: {"rank": 0, "step": 7, "waiting": "the agreement", "where": "mnist_ddp.py:1 in train"},
                  1: {"rank": 1, "host": "a", "outside": "stopped (state T, ...)"},
-                 2: {"rank": 2, "step": 6, "waiting": "", "where": "ddpkit/imagesets.py:9 in batches"}}
+                 2: {"rank": 2, "step": 6, "waiting": "", "where": "ddpkit/data/imagesets.py:9 in batches"}}
     line = hangs.verdict_line(summaries, peers, 12.4, Path("/r/hangs/x"))
     assert line == ("hang after step 6: rank 1 on a is stopped (state T, ...); rank 2 on b is at "
-                    "ddpkit/imagesets.py:9 in batches; rank 3 on c: no answer; rank(s) 0 wait for it in the agreement "
+                    "ddpkit/data/imagesets.py:9 in batches; rank 3 on c: no answer; rank(s) 0 wait for it in the agreement "
                     "for 12 s; every rank's stacks: /r/hangs/x")
     # (the ranks it names, which the job's supervisor pins the failure on by their nodes)
     assert [peer.rank for peer in hangs.not_waiting(summaries, peers)] == [1, 2, 3]

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_STOPPED, JobEnv, JobPaths, port_from_job_id
+from ddpkit.job.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_STOPPED, JobEnv, JobPaths, port_from_job_id
 from ddpkit.launch import (
     Launch,
     StopSignals,
@@ -27,7 +27,7 @@ from ddpkit.launch import (
     unfixable_exit,
     write_exit_file,
 )
-from ddpkit.time_limit import JobTimes, TimeLimit
+from ddpkit.run.time_limit import JobTimes, TimeLimit
 
 SRUN_TASK = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8"}

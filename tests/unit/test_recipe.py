@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import mnist_ddp
-from ddpkit import imagesets
-from ddpkit.checkpoints import load_optimizer
+from ddpkit.data import imagesets
 from ddpkit.distributed import Runtime
 from ddpkit.options import RunOptions
+from ddpkit.run.checkpoints import load_optimizer
 
 
 def global_batches(n: int, epoch: int, world_size: int, batch_size: int) -> list[list[tuple[int, int, int]]]:

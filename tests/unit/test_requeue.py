@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import contract
+from ddpkit.job import contract
 from ddpkit.jobs import requeue_slurm_job
 from ddpkit.launch import Launch
 from helpers.scontrol import REQUEUEABLE, fake_scontrol, refusing_scontrol

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import JobEnv, JobPaths
+from ddpkit.job.contract import JobEnv, JobPaths
 from ddpkit.supervisor.main import Supervisor
 from ddpkit.supervisor.outcome import Outcome
 from helpers.cluster import SBATCH_FILE
@@ -80,14 +80,14 @@ def test_what_the_host_runs_needs_nothing_newer_than_python_3_6():
     vermin reads them."""
     assert 'exec python3 "$project/ddpkit/supervisor/main.py" supervise' in SBATCH_FILE.read_text()
     result = subprocess.run([str(BIN / "vermin"), "--target=3.6-", "--no-tips", "--violations", "ddpkit/supervisor",
-                             "ddpkit/contract.py", "ddpkit/sweeplines.py"], cwd=ROOT, capture_output=True, text=True,
+                             "ddpkit/job"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     imports = subprocess.run(["python3", "-c", "import sys; import ddpkit.supervisor.main; "
                               "print(sorted(m for m in sys.modules if m.startswith('ddpkit')))"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     wing = [f"ddpkit.supervisor.{path.stem}" for path in (ROOT / "ddpkit" / "supervisor").glob("[!_]*.py")]
-    assert imports.stdout.strip() == str(sorted(["ddpkit", "ddpkit.contract", "ddpkit.supervisor", "ddpkit.sweeplines",
+    assert imports.stdout.strip() == str(sorted(["ddpkit", "ddpkit.job", "ddpkit.job.contract", "ddpkit.supervisor", "ddpkit.job.sweeplines",
                                                  *wing])), imports.stderr
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import JobEnv, JobPaths
+from ddpkit.job.contract import JobEnv, JobPaths
 from ddpkit.supervisor.nodes import (
     Pin,
     Usable,

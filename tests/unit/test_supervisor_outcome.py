@@ -7,7 +7,7 @@ many nodes the step goes on with.
 
 import pytest
 
-from ddpkit.contract import JobPaths, job_fields, read_codes
+from ddpkit.job.contract import JobPaths, job_fields, read_codes
 from ddpkit.supervisor.outcome import Outcome, nodes_to_go_on_with, read_world_sizes, settle
 from ddpkit.supervisor.step import resubmit_line, step_command
 from helpers.supervisor import JOB, LINE, settings

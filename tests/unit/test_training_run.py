@@ -1,4 +1,4 @@
-"""ddpkit/training_run.py in one process, with a real (tiny) model, AdamW, checkpoints on
+"""ddpkit/run/training_run.py in one process, with a real (tiny) model, AdamW, checkpoints on
 disk and the real per-step agreement: EpochLoss, checkpoints every N steps, a stop signal
 acted on one step later with a checkpoint, a loss that is not finite reported with its step
 and nothing saved, where the run stands (done(), batches_left(), lr_position()), an epoch's
@@ -23,16 +23,16 @@ import torch
 import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit import training_run
-from ddpkit.checkpoints import Progress, read_checkpoint
 from ddpkit.distributed import Runtime, collective_of, set_background
 from ddpkit.launch import Diverged, StartupClock, Stopped, StopSignals
 from ddpkit.options import RunOptions
-from ddpkit.recovery import CheckpointClock
-from ddpkit.runlog import HParams, NullLogger, RunLogger
-from ddpkit.time_limit import JobTimes, TimeLimit
-from ddpkit.trackers import NoTracker
-from ddpkit.training_run import EpochLoss, RunPlan, RunState, Surroundings, TrainingRun
+from ddpkit.run import training_run
+from ddpkit.run.checkpoints import Progress, read_checkpoint
+from ddpkit.run.recovery import CheckpointClock
+from ddpkit.run.runlog import HParams, NullLogger, RunLogger
+from ddpkit.run.time_limit import JobTimes, TimeLimit
+from ddpkit.run.trackers import NoTracker
+from ddpkit.run.training_run import EpochLoss, RunPlan, RunState, Surroundings, TrainingRun
 
 ONE = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
 

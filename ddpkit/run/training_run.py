@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 
 from ddpkit import hangs
-from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
 from ddpkit.launch import Diverged, StartupClock, StopSignals
 from ddpkit.options import RunOptions
-from ddpkit.profiling import StepProfiler
-from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
-from ddpkit.runlog import final_figures, gpu_figures, peak_rss_mb
-from ddpkit.stragglers import StepTimer, Stragglers
-from ddpkit.time_limit import TimeLimit
+from ddpkit.run.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
+from ddpkit.run.profiling import StepProfiler
+from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
+from ddpkit.run.runlog import final_figures, gpu_figures, peak_rss_mb
+from ddpkit.run.stragglers import StepTimer, Stragglers
+from ddpkit.run.time_limit import TimeLimit
 
 # What the ranks do together during a training step: DDP averages the gradients inside backward().
 GRADIENT_ALL_REDUCE = "the gradient all-reduce of a training step"

@@ -11,11 +11,11 @@ import socket
 import time
 from pathlib import Path
 
-from ddpkit.contract import JobPaths, default_run_name, run_name_setting
 from ddpkit.distributed import Runtime, broadcast_from_main
+from ddpkit.job.contract import JobPaths, default_run_name, run_name_setting
 from ddpkit.launch import Launch, UsageError, write_exit_file
 from ddpkit.options import RunOptions
-from ddpkit.recovery import storage_problem
+from ddpkit.run.recovery import storage_problem
 
 
 def choose_run_dir(config: RunOptions, launch: Launch) -> Path:

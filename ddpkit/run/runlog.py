@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime, all_reduce
 from ddpkit.launch import Launch
-from ddpkit.trackers import NoTracker, Tracker, epoch_scalars
+from ddpkit.run.checkpoints import replace_text
+from ddpkit.run.trackers import NoTracker, Tracker, epoch_scalars
 
 
 def peak_rss_mb(rt: Runtime) -> float:
@@ -56,7 +56,7 @@ def view_command(log_dir: Path) -> str:
     tensorboard.sh (which prints the tunnel) when it sits beside ddpkit/, else TensorBoard
     itself. It names this run's interpreter, as the continue lines do, unless tensorboard.sh
     finds it by itself (the project's .venv): no environment need be active."""
-    script = Path(__file__).resolve().parents[1] / "tensorboard.sh"
+    script = Path(__file__).resolve().parents[2] / "tensorboard.sh"
     if not script.exists():
         return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir {shlex.quote(str(log_dir))}"
     script = script.resolve()  # (the project's, where a job's copy of the code links to it)

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit import staging
-from ddpkit.checkpoints import replace_text
+from ddpkit.data import staging
+from ddpkit.data.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
 from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
 from ddpkit.options import RunOptions
-from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
+from ddpkit.run.checkpoints import replace_text
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,

@@ -39,12 +39,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.distributed import load_what_optimizers_load, pick_device
+from ddpkit.job.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
-from ddpkit.recovery import node_fault
-from ddpkit.stragglers import SLOW_FACTOR
+from ddpkit.run.recovery import node_fault
+from ddpkit.run.stragglers import SLOW_FACTOR
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
 LATER = 20.0  # seconds more that the other ranks wait than rank 0

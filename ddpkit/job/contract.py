@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from ddpkit import sweeplines
+from ddpkit.job import sweeplines
 
 # ----------------------------------------------------------------------------- exit codes
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ddpkit.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
 from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
+from ddpkit.job.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
 from ddpkit.launch import UsageError
 from ddpkit.options import flag
 

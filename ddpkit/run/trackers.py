@@ -2,7 +2,7 @@
 for the whole run, across restarts, requeues, resubmissions and another world size, with
 each step in it once. (Whether it can be used is checked with the options: options.tracker_problem.)
 
-Rank 0 hands what it logs to a sender, a process of its own (`python -m ddpkit.trackers`),
+Rank 0 hands what it logs to a sender, a process of its own (`python -m ddpkit.run.trackers`),
 which alone imports the tracker's package and talks to it: a tracker that is slow,
 unreachable or failing never holds up a step, and never stops training. One line names it,
 and what it missed is sent when it answers again, at a later epoch or a later start.
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ddpkit.contract import EXIT_STOPPED, JobPaths
+from ddpkit.job.contract import EXIT_STOPPED, JobPaths
 
 # How long the end of a start waits for the sender to hand the tracker what is left (a stop on
 # a signal or at the time limit has a minute in all); what it has not sent by then, the next
@@ -61,7 +61,7 @@ LOCK_WAIT = 60.0
 # How long a start that spells its MLflow server anew waits for the names of the servers in
 # tracker.json to resolve (find_entry): a name that has not resolved by then is another server.
 RESOLVE_SECONDS = 3.0
-ROOT = Path(__file__).resolve().parents[1]  # (the folder that holds ddpkit/, for the sender's import)
+ROOT = Path(__file__).resolve().parents[2]  # (the folder that holds ddpkit/, for the sender's import)
 
 # The scalars of an epoch's record, by the tag TensorBoard shows them under (each of the
 # evaluation's metrics is test_<name> in the record, test/<name> here).
@@ -295,7 +295,7 @@ class Tracker:
             self.add_epoch(record)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         try:
-            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir), self.entry],
+            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.run.trackers", self.kind, str(self.run_dir), self.entry],
                                            stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
         except OSError as err:
             print(f"warning: cannot start the tracker's sender ({err.strerror}); training goes on, and the tracker gets "

@@ -1,0 +1,29 @@
+"""The kit's face: every name mnist_ddp.py uses, and the only module of ddpkit it imports
+(besides launch.StopSignals, which must catch the stop signals before torch loads). A recipe
+of your own needs these names and nothing else from ddpkit/.
+
+  run_job, Job        the job runner: a process's part of the job, from its options to its exit code
+  TrainingRun         what happens around each step and epoch (checkpoints, logs, the agreed stop)
+  Stopped             raised to end the loop at an agreed stop, with the checkpoint it saved
+  UsageError, need    a user's mistake, in one line that says what to do, and the check that raises it
+  RunOptions, option  the kit's options, and a field of the recipe's own options
+  HParams             what TensorBoard's HParams tab shows of a run
+  stage_data, read_splits, ImageSet, normalize
+                      the data: staged under a lock, its two splits, uint8 images as the model's input
+  Runtime, wrap_ddp, all_reduce, sync_buffers
+                      this process in the group: the model in DDP, the labelled collectives
+  exit_status         a code for sys.exit
+"""
+
+from ddpkit.data.imagesets import ImageSet, normalize, read_splits
+from ddpkit.data.imagesets import stage as stage_data
+from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
+from ddpkit.jobs import Job, run_job
+from ddpkit.launch import Stopped, UsageError, exit_status
+from ddpkit.options import RunOptions, need, option
+from ddpkit.run.runlog import HParams
+from ddpkit.run.training_run import TrainingRun
+
+__all__ = ["HParams", "ImageSet", "Job", "RunOptions", "Runtime", "Stopped", "TrainingRun", "UsageError", "all_reduce",
+           "exit_status", "need", "normalize", "option", "read_splits", "run_job", "stage_data", "sync_buffers",
+           "wrap_ddp"]
