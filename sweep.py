@@ -97,13 +97,14 @@ def recipe_module():
 def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
     mnist_ddp = recipe_module()
-    from ddpkit.options import RunOptions
+    from ddpkit.run.runlog import SHOWN_FIRST, HParams
     from ddpkit.run.runlog import declare_hparams as declare
     varied = [name.replace("-", "_") for name in varying(runs)]
     varied += ["global_batch"] if "batch_size" in varied else []
-    names = mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values
-    first = tuple(name for name in varied if name in names) or mnist_ddp.SHOWN_FIRST
-    declare(sweep_dir, mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1, first))
+    recipe = mnist_ddp.Recipe()
+    names = HParams.of_run(recipe, batch_size=recipe.global_batch, world_size=1, amp=False).values
+    first = tuple(name for name in varied if name in names) or SHOWN_FIRST
+    declare(sweep_dir, HParams.of_run(recipe, batch_size=recipe.global_batch, world_size=1, amp=False, first=first))
 
 
 def check_lines(sweep_file: Path, runs: list[list[str]], sweep_dir: Path) -> None:

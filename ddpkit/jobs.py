@@ -6,6 +6,7 @@ command that continues), diverged, a lost peer, a problem the user fixes, a bug.
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ddpkit import hangs
+from ddpkit.data.imagesets import ImageSet, image_shape
 from ddpkit.distributed import (
     Runtime,
     barrier,
@@ -73,7 +75,7 @@ from ddpkit.run.checkpoints import (
     run_is_done,
     set_aside_checkpoints,
 )
-from ddpkit.run.doctor import StepMaker, check_job
+from ddpkit.run.doctor import StepParts, check_job, recipe_step
 from ddpkit.run.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
 from ddpkit.run.rundir import RunClaim, agree_on_run_dir, claim_run_dir
 from ddpkit.run.runlog import (
@@ -87,7 +89,16 @@ from ddpkit.run.runlog import (
 )
 from ddpkit.run.time_limit import TimeLimit, read_job_times
 from ddpkit.run.trackers import NoTracker, Start, Tracker
-from ddpkit.run.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
+from ddpkit.run.training_run import (
+    RunPlan,
+    RunState,
+    Surroundings,
+    TrainingRun,
+    check_batch_fits,
+    plan_run,
+    split_batch,
+    world_sizes,
+)
 
 
 def requeue_slurm_job(launch: Launch) -> bool:
@@ -153,18 +164,6 @@ def record_continue_command(launch: Launch, command: str) -> None:
         write_exit_file(launch, JobPaths.CONTINUE_COMMAND, command + "\n")
 
 
-def world_sizes(split: Callable[[int], int], most: int) -> list[int]:
-    """The world sizes up to `most` that split this run's global batch (of `most` ranks) into
-    equal shares: a run goes on among them with the same batches. (Under --batch-size per
-    rank, another world size changes the global batch: `most` alone.)"""
-    fits, global_batch = [], split(most) * most
-    for ranks in range(1, most + 1):
-        with contextlib.suppress(UsageError):
-            if split(ranks) * ranks == global_batch:
-                fits.append(ranks)
-    return fits
-
-
 @dataclasses.dataclass
 class Job:
     """This process's part of the job: the options, where it stands in the job, the process
@@ -189,23 +188,23 @@ class Job:
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
 
-    def start_run(self, state: Mapping[str, object], *, images: int, split: Callable[[int], int], epochs: int,
-                  max_steps: int, hparams: HParams, classes: tuple[str, ...],
-                  on_divergence: Mapping[str, str], shape: tuple[int, int, int] | None = None) -> TrainingRun:
+    def start_run(self, state: Mapping[str, object], train_set: ImageSet, on_divergence: Mapping[str, str]) -> TrainingRun:
         """Claim the run's directory, resume from its newest checkpoint (into `state`: the
-        recipe's model, optimizer, ... by name) and start its log. `images` is the training
-        set's size; `split(n)` each of n ranks' share of a step's images (raising UsageError
-        when they cannot split them), the recipe's rule. `epochs` and `max_steps`
-        are the recipe's --epochs and --max-steps; `on_divergence` the options that the
-        advice after a divergence changes (e.g. {"lr": "0.001"}); `shape` the images' (C, H, W),
-        which the checkpoints record and a resume compares. Raises AlreadyComplete
-        when the run has nothing left to do."""
-        rt = self.rt
+        recipe's model, optimizer, ... by name) and start its log. The run trains `train_set`
+        (its size, classes and image shape, which the checkpoints record and a resume
+        compares) as the recipe's --global-batch (or --batch-size a rank), --epochs and
+        --max-steps say; `on_divergence` holds the options that the advice after a divergence
+        changes (e.g. {"lr": "0.001"}). Raises AlreadyComplete when the run has nothing left to do."""
+        recipe, rt = self.recipe, self.rt
+        images, classes, shape = len(train_set), train_set.classes, train_set.shape
+        epochs, max_steps = recipe.epochs, recipe.max_steps
+        check_batch_fits(recipe.global_batch, recipe.batch_size, images, rt.world_size)  # (before any step, whichever feed)
+        batch_size = split_batch(recipe.global_batch, rt.world_size, recipe.batch_size)
+        hparams = HParams.of_run(recipe, batch_size=batch_size, world_size=rt.world_size, amp=self.options.amp)
         self.on_divergence = on_divergence
         self.claim_run_dir()
         if self.hang_watch and self.claim:  # (before, another run of this name may have used them)
             self.hang_watch.tidy_earlier_attempts()
-        batch_size = split(rt.world_size)
         ckpt_path, changed, loss_sums = self.resume(state, global_batch=batch_size * rt.world_size, epochs=epochs,
                                                     max_steps=max_steps, classes=classes, shape=shape)
         progress = self.progress
@@ -222,7 +221,8 @@ class Job:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
             # (for the job's supervisor, which goes on with fewer ranks after it lost nodes, and
             # pins a rank's failure on its node)
-            write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
+            sizes = world_sizes(recipe.global_batch, recipe.batch_size, rt.world_size)
+            write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, sizes)) + "\n")
             write_exit_file(self.launch, JobPaths.NODES, "".join(f"{peer.node}\n" for peer in peers))
         self.describe_run(plan, ckpt_path)
         around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
@@ -422,11 +422,11 @@ def fail(err: Exception | str, code: int = EXIT_USAGE, who: str = "") -> int:
     return code
 
 
-def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, manual: str = "",
-            stop: StopSignals | None = None, check_step: StepMaker | None = None) -> int:
+def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, *, manual: str = "",
+            stop: StopSignals | None = None, step_parts: StepParts | None = None) -> int:
     """Run `body` (the recipe's part: data, model, loop) as this process's part of the job
     and return the exit code; every ending is one line and a code (see the manual). With
-    --check, the doctor runs instead, and times `check_step`'s step on every rank. After a
+    --check, the doctor runs instead, and times a step made of `step_parts` on every rank. After a
     lost peer (4) in a process group, the process ends here with that code instead
     (distributed.leave_after_lost_peer)."""
     startup = StartupClock()  # first: its "imports" are the time since the process started
@@ -442,7 +442,8 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         if options.check:
             stop.restore()  # nothing to save: a signal ends the check at once
-            code = check_job(options, launch, check_step)
+            images = functools.partial(image_shape, recipe.dataset, Path(options.data_dir))
+            code = check_job(options, launch, recipe_step(step_parts, recipe, images) if step_parts else None)
             return code
         earlier = unfixable_earlier_exit(launch, who)
         if earlier:

@@ -186,6 +186,19 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
     return train, test
 
 
+def image_shape(dataset: str, data_dir: Path) -> tuple[tuple[int, int, int], int]:
+    """((C, H, W), classes) of --dataset's images without reading them (for --check): an
+    MNIST-like set's are known; a folder's shape is its cached one, else its first training
+    image's (1 channel when it is grayscale), its classes its class folders."""
+    if dataset != "folder":
+        return (1, 28, 28), len(MNIST_LIKE[dataset].classes)
+    listing = list_folder(data_dir)
+    if facts := read_stats_cache(data_dir, listing.fingerprint):
+        return facts.shape, len(listing.classes)
+    (width, height), mode = read_header(listing.train[0][0])
+    return (1 if mode in GRAY_MODES else 3, height, width), len(listing.classes)
+
+
 # ----------------------------------------------------------------------------- choosing the feed
 
 def choose_feed(wanted: str, image_bytes: int, ranks_on_node: int, device: torch.device) -> tuple[str, str]:

@@ -145,12 +145,52 @@ HPARAM_METRICS = {"test/accuracy": "test accuracy", "test/loss": "test loss", "t
                   "time/seconds_to_best": "seconds to the best epoch"}
 
 
+# The HParams tab lists these first (a sweep lists what it varies first instead).
+SHOWN_FIRST = ("lr", "global_batch", "batch_size", "weight_decay", "epochs")
+
+
 @dataclasses.dataclass(frozen=True)
 class HParams:
-    """What the HParams tab shows of a run, as the recipe says."""
+    """What the HParams tab shows of a run."""
     values: dict                        # name -> int, float, str or bool
     first: tuple[str, ...] = ()         # marked as differing: the tab shows them first (a sweep: what it varies)
     choices: dict = dataclasses.field(default_factory=dict)   # name -> the values a str may take
+
+    @classmethod
+    def of_run(cls, recipe: object, *, batch_size: int, world_size: int, amp: bool,
+               first: tuple[str, ...] = SHOWN_FIRST) -> "HParams":
+        """A run's: the recipe's options (a dataclass), each rank's and the global batch, the
+        world size and --amp; a str option's choices as the recipe's field declares them."""
+        values = {**dataclasses.asdict(recipe), "batch_size": batch_size, "global_batch": batch_size * world_size,
+                  "world_size": world_size, "amp": amp}
+        choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(recipe) if "choices" in f.metadata}
+        return cls(values, first, choices)
+
+
+class Examples:
+    """The few test images an evaluation shows in TensorBoard (rank 0's, `keep` of each kind):
+    the first ones with their predictions, and the first misclassified ones. Another rank
+    keeps none (keep=0)."""
+
+    def __init__(self, keep: int):
+        self.keep, self.first, self.wrong = keep, [], []  # (indices, predictions) pairs
+
+    def add(self, indices: torch.Tensor, predictions: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.keep and not self.first:
+            self.first.append((indices[:self.keep], predictions[:self.keep]))
+        if sum(len(i) for i, _ in self.wrong) < self.keep:
+            miss = predictions != labels
+            self.wrong.append((indices[miss], predictions[miss]))
+
+    def shown(self, test_set) -> dict:
+        """{name: (uint8 images, predictions, true classes)}, as RunLogger.evaluation draws them."""
+        examples = {}
+        for name, kept in (("predictions", self.first), ("misclassified", self.wrong)):
+            if kept:
+                chosen = torch.cat([i for i, _ in kept])[:self.keep].cpu()
+                predicted = torch.cat([p for _, p in kept])[:self.keep].cpu()
+                examples[name] = (test_set.pictures(chosen), predicted, test_set.labels[chosen].cpu())
+        return examples
 
 
 @functools.cache

@@ -24,8 +24,8 @@ import torch
 
 from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
-from ddpkit.launch import Diverged, StartupClock, StopSignals
-from ddpkit.options import RunOptions
+from ddpkit.launch import Diverged, StartupClock, StopSignals, UsageError
+from ddpkit.options import RunOptions, need
 from ddpkit.run.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.run.profiling import StepProfiler
 from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
@@ -117,6 +117,49 @@ def plan_run(progress: Progress, *, images: int, world_size: int, batch_size: in
     return RunPlan(epochs=epochs, max_steps=max_steps, batch_size=batch_size, global_batch=global_batch,
                    steps_per_epoch=steps_per_epoch, schedule_offset=schedule_offset, total_steps=total_steps,
                    classes=classes, shape=shape)
+
+
+def split_batch(global_batch: int, world_size: int, per_rank: int = 0) -> int:
+    """Each of world_size ranks' images a step: `per_rank` when given (--batch-size: the global
+    batch grows with the ranks), else an equal share of `global_batch`. A global batch that
+    does not split is a UsageError that names the world sizes that split it (the 8 nearest
+    this one: a run that has started resumes only with its own global batch), and the
+    batches that would split among these ranks, for a new run."""
+    if per_rank:
+        return per_rank
+    if global_batch % world_size:
+        fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        fits = [str(n) for n in sorted(sorted(fits, key=lambda n: abs(n - world_size))[:8])]
+        ranks = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+        lower, higher = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
+        batches = " or ".join(str(n) for n in (lower, higher) if n)
+        raise UsageError(
+            f"--global-batch {global_batch} does not split evenly among {world_size} ranks; run it on {ranks} "
+            f"ranks (they split it; a run resumes only with its own batch), or, for a new run (another --run-name), "
+            f"pass --global-batch {batches} (a multiple of {world_size}), or --batch-size N for N images per rank")
+    return global_batch // world_size
+
+
+def world_sizes(global_batch: int, per_rank: int, most: int) -> list[int]:
+    """The world sizes up to `most` that split_batch splits this run's global batch (of `most`
+    ranks) among in equal shares: a run goes on among them with the same batches. (Under
+    --batch-size per rank, another world size changes the global batch: `most` alone.)"""
+    if per_rank:
+        return [most]
+    return [ranks for ranks in range(1, most + 1) if global_batch % ranks == 0]
+
+
+def check_batch_fits(global_batch: int, per_rank: int, images: int, world_size: int) -> None:
+    """A global batch larger than the training set would fill each step up with the epoch's
+    first images again (see the recipe's epoch_shard): almost surely a typo, or a smaller
+    folder than meant."""
+    batch = split_batch(global_batch, world_size, per_rank) * world_size
+    twice = f"more than the {images} training images, so each step would train some of them more than once"
+    if per_rank:
+        need(batch <= images, f"--batch-size {per_rank} on {world_size} rank{'s' * (world_size > 1)} is a "
+             f"global batch of {batch}, {twice}; pass --batch-size {images // world_size} or less")
+    need(batch <= images, f"--global-batch {batch} is {twice}; pass --global-batch "
+         f"{images // world_size * world_size} or less")
 
 
 @dataclass

@@ -180,7 +180,7 @@ def test_only_ranks_whose_nodes_gpu_failed_them_get_the_exclude_of_their_nodes()
     assert faulty == ("check failed: ranks 2, 3 (on b) cannot run a training step for a fault of their GPUs (the line "
                       "above from each says why); leave the node out, sbatch --exclude=b, or report it to the site")
     assert other == ("check failed: rank 0 (on a) cannot run a training step (the line above from each says why): an "
-                     "error of the recipe's step (mnist_ddp.py's check_step and the model it builds) or of the environment, "
+                     "error of the recipe's step (its build_model, build_optimizer or train_step) or of the environment, "
                      "which another node would not fix; fix it, and run the check again")
     assert ["--exclude" in line for line in broken_lines([0, 1, 2, 3], [], nodes)] == [False]
     assert broken_lines([], [], nodes) == []
