@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
 from ddpkit.launch import Diverged, StartupClock, StopSignals
 from ddpkit.options import RunOptions
-from ddpkit.run.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
+from ddpkit.run.checkpoints import Progress, RunState, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.run.profiling import StepProfiler
 from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.run.runlog import final_figures, gpu_figures, peak_rss_mb
@@ -117,15 +117,6 @@ def plan_run(progress: Progress, *, images: int, world_size: int, batch_size: in
     return RunPlan(epochs=epochs, max_steps=max_steps, batch_size=batch_size, global_batch=global_batch,
                    steps_per_epoch=steps_per_epoch, schedule_offset=schedule_offset, total_steps=total_steps,
                    classes=classes, shape=shape)
-
-
-@dataclass
-class RunState:
-    """What the run trains and where it stands: what every checkpoint saves and a resume loads."""
-    state: Mapping[str, object]  # the recipe's model, optimizer, ... by name
-    progress: Progress
-    loss_sums: torch.Tensor      # this rank's [loss x images, images] in the epoch so far (EpochLoss)
-    config: dict                 # the recipe's and the run's options, as every checkpoint records them
 
 
 @dataclass(frozen=True)
@@ -251,10 +242,8 @@ class TrainingRun:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
         started = time.perf_counter()
-        plan = self.plan
-        path = save_checkpoint(self.run_dir, self.config, plan.classes, self.state, self.rt, self.progress,
-                               self.loss.saved(), self.options.keep_ckpts, global_batch=plan.global_batch,
-                               shape=plan.shape)
+        run = RunState(state=self.state, progress=self.progress, loss_sums=self.loss.saved(), config=self.config)
+        path = save_checkpoint(self.run_dir, self.plan, run, self.rt, keep=self.options.keep_ckpts)
         if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()
