@@ -29,7 +29,7 @@ from ddpkit.options import RunOptions
 from ddpkit.run import training_run
 from ddpkit.run.checkpoints import Progress, read_checkpoint
 from ddpkit.run.recovery import CheckpointClock
-from ddpkit.run.runlog import HParams, NullLogger, RunLogger
+from ddpkit.run.runlog import HParams, LogPlan, NullLogger, RunLogger
 from ddpkit.run.time_limit import JobTimes, TimeLimit
 from ddpkit.run.trackers import NoTracker
 from ddpkit.run.training_run import EpochLoss, RunPlan, RunState, Surroundings, TrainingRun
@@ -241,8 +241,9 @@ def job_output(path: Path):
 def run_logger(run_dir: Path) -> RunLogger:
     """Rank 0's logger, with the batch loss and a progress line at every step."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    return RunLogger(run_dir, {"lr": 0.01}, HParams({"lr": 0.01}), {}, 0, ("a", "b"), log_every=1, progress_every=1e-9,
-                     tracker=NoTracker())
+    plan = LogPlan(options={"lr": 0.01}, hparams=HParams({"lr": 0.01}), environment={}, classes=("a", "b"),
+                   resumed_step=0, log_every=1, progress_every=1e-9)
+    return RunLogger(run_dir, plan, tracker=NoTracker())
 
 
 def tensorboard(run_dir: Path) -> EventAccumulator:
