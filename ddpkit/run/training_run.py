@@ -154,8 +154,8 @@ class TrainingRun:
         self.epoch_first_step = self.started_at = self.progress.step
         self.stragglers = Stragglers(list(around.hosts)) if rt.is_main and self.timer.hook else None
         self.wait_unjudged = rt.is_main and rt.world_size > 1  # (rank 0, at this start's first evaluation)
-        self.profiler = StepProfiler(run_dir=self.run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
-                                     steps=options.profile, first_step=self.progress.step, last_step=plan.last_step)
+        self.profiler = StepProfiler(run_dir=self.run_dir, rt=rt, steps=options.profile, first_step=self.progress.step,
+                                     last_step=plan.last_step)
         # --interrupt-at N:SIGNAL (hidden from --help; docs/recovery.md): rank 0 sends itself the
         # signal as step N ends, as Slurm or a user would, and every rank stops a step later.
         at, _, name = options.interrupt_at.partition(":") if rt.is_main else ("", "", "")
