@@ -80,6 +80,7 @@ from ddpkit.run.recovery import is_lost_peer, lost_peer_message, node_fault, sto
 from ddpkit.run.rundir import RunClaim, agree_on_run_dir, claim_run_dir
 from ddpkit.run.runlog import (
     HParams,
+    LogPlan,
     NullLogger,
     RunLogger,
     describe_environment,
@@ -318,10 +319,11 @@ class Job:
                   f"no longer continues, in {run_dir / CKPT_DIR / 'superseded'}", file=sys.stderr, flush=True)
         note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
         options = self.options
-        self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),
-                                step, classes, options.log_every, options.progress_every, note=note,
-                                tracker=self.tracker(hparams.values, changed=changed) if options.tracker != "none"
-                                else NoTracker())
+        plan = LogPlan(options=saved_options, hparams=hparams, environment=describe_environment(self.rt, self.launch, hosts),
+                       classes=classes, resumed_step=step, log_every=options.log_every,
+                       progress_every=options.progress_every, note=note)
+        tracker = self.tracker(hparams.values, changed=changed) if options.tracker != "none" else NoTracker()
+        self.logger = RunLogger(run_dir, plan, tracker=tracker)
         record_continue_command(self.launch, self.continue_command())
 
     def tracker(self, hparams: dict, recorded: bool = True, changed: str = "") -> Tracker:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -113,29 +114,45 @@ def weights_are_finite(state: Mapping[str, object]) -> bool:
                for p in thing.parameters())
 
 
+@dataclass
+class RunState:
+    """What the run trains and where it stands: what every checkpoint saves and a resume loads."""
+    state: Mapping[str, object]  # the recipe's model, optimizer, ... by name
+    progress: Progress
+    loss_sums: torch.Tensor      # this rank's [loss x images, images] in the epoch so far (training_run.EpochLoss)
+    config: dict                 # the recipe's and the run's options, as every checkpoint records them
+
+
+class RecordedPlan(Protocol):
+    """What every checkpoint records of the run's plan (training_run.RunPlan), which a resume
+    compares: the data's classes, the images' (C, H, W), a step's images over all ranks (what
+    Progress.step_in_epoch counts in)."""
+    classes: tuple[str, ...]
+    shape: tuple[int, int, int] | None
+    global_batch: int
+
+
 # The checkpoint's own keys; the recipe's state goes beside them, each under its name.
 RESERVED = frozenset(("format", "config", "classes", "shape", "world_size", "global_batch", "progress",
                       "rank_states"))
 
 
-def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], state: Mapping[str, object], rt: Runtime,
-                    progress: Progress, loss_sum: torch.Tensor, keep: int, *, global_batch: int,
-                    shape: tuple[int, int, int] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, plan: RecordedPlan, run: RunState, rt: Runtime, *, keep: int) -> Path:
     """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
-    the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
-    is saved as its state_dict under its name; `global_batch` is the images of a step over
-    all ranks (what progress.step_in_epoch counts in); `shape` is the images' (C, H, W)."""
+    the newest `keep` up to this step. Each of run.state (the recipe's model, optimizer, ...)
+    is saved as its state_dict under its name, beside what the file records of the `plan`."""
+    state, progress = run.state, run.progress
     taken = RESERVED.intersection(state)
     if taken:
         raise ValueError(f"a checkpoint keeps its own {', '.join(sorted(taken))} under that name: give the recipe's "
                          "state another name")
-    states = gather_to_all(rank_state(loss_sum, rt.device), "the gather of each rank's state")
+    states = gather_to_all(rank_state(run.loss_sums, rt.device), "the gather of each rank's state")
     path = checkpoint_path(run_dir, progress.step)
     if rt.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes),
-                     **({} if shape is None else {"shape": list(shape)}), "world_size": rt.world_size,
-                     "global_batch": global_batch,
+        save_atomic({"format": CKPT_FORMAT, "config": run.config, "classes": list(plan.classes),
+                     **({} if plan.shape is None else {"shape": list(plan.shape)}), "world_size": rt.world_size,
+                     "global_batch": plan.global_batch,
                      **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         # The newest `keep` up to this step; a later one is the file a rewound run resumed

@@ -281,16 +281,29 @@ def markdown_table(d: dict) -> str:
     return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in d.items())
 
 
+@dataclasses.dataclass(frozen=True)
+class LogPlan:
+    """What rank 0's log records of this start of the run, and how often it speaks."""
+    options: dict            # the recipe's and the run's options: run.json, the config line and text
+    hparams: HParams
+    environment: dict        # describe_environment's: run.json, the environment line and text
+    classes: tuple[str, ...]  # the data's classes, by index: the TEXT tab and the confusion matrix name them
+    resumed_step: int        # the step this start goes on from (0: from the start); what came after it is dropped
+    log_every: int           # --log-every: the batch loss every N steps
+    progress_every: float    # --progress-every: a progress line every N seconds when stdout is not a terminal
+    note: str = ""           # a line printed and kept in the TEXT tab's "log" (what --allow-changes let differ)
+
+
 class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, options: dict, hparams: HParams, environment: dict, resumed_step: int,
-                 classes: tuple[str, ...], log_every: int, progress_every: float, *, tracker: Tracker | NoTracker,
-                 note: str = ""):
+    def __init__(self, run_dir: Path, plan: LogPlan, *, tracker: Tracker | NoTracker):
+        options, hparams, environment, classes = plan.options, plan.hparams, plan.environment, plan.classes
+        resumed_step, note = plan.resumed_step, plan.note
         # For sweep.py summary and anyone reading the directory: what this attempt runs with;
         # replaced whole, so that a reader never meets it empty or half written.
         replace_text(run_dir / "run.json", json.dumps({"config": options, "environment": environment}))
-        self.log_every, self.progress_every, self.classes = log_every, progress_every, classes
+        self.log_every, self.progress_every, self.classes = plan.log_every, plan.progress_every, classes
         self.last_progress = time.monotonic()
         # The run goes on from resumed_step (0: from the start) and repeats what came after
         # it: drop those lines, and have TensorBoard hide those steps, so nothing is doubled

@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
 from ddpkit.launch import Diverged, StartupClock, StopSignals, UsageError
 from ddpkit.options import RunOptions, need
-from ddpkit.run.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
+from ddpkit.run.checkpoints import Progress, RunState, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.run.profiling import StepProfiler
 from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.run.runlog import final_figures, gpu_figures, peak_rss_mb
@@ -162,15 +162,6 @@ def check_batch_fits(global_batch: int, per_rank: int, images: int, world_size: 
          f"{images // world_size * world_size} or less")
 
 
-@dataclass
-class RunState:
-    """What the run trains and where it stands: what every checkpoint saves and a resume loads."""
-    state: Mapping[str, object]  # the recipe's model, optimizer, ... by name
-    progress: Progress
-    loss_sums: torch.Tensor      # this rank's [loss x images, images] in the epoch so far (EpochLoss)
-    config: dict                 # the recipe's and the run's options, as every checkpoint records them
-
-
 @dataclass(frozen=True)
 class Surroundings:
     """What the run works in and reports to."""
@@ -206,8 +197,8 @@ class TrainingRun:
         self.epoch_first_step = self.started_at = self.progress.step
         self.stragglers = Stragglers(list(around.hosts)) if rt.is_main and self.timer.hook else None
         self.wait_unjudged = rt.is_main and rt.world_size > 1  # (rank 0, at this start's first evaluation)
-        self.profiler = StepProfiler(run_dir=self.run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
-                                     steps=options.profile, first_step=self.progress.step, last_step=plan.last_step)
+        self.profiler = StepProfiler(run_dir=self.run_dir, rt=rt, steps=options.profile, first_step=self.progress.step,
+                                     last_step=plan.last_step)
         # --interrupt-at N:SIGNAL (hidden from --help; docs/recovery.md): rank 0 sends itself the
         # signal as step N ends, as Slurm or a user would, and every rank stops a step later.
         at, _, name = options.interrupt_at.partition(":") if rt.is_main else ("", "", "")
@@ -294,10 +285,8 @@ class TrainingRun:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
         started = time.perf_counter()
-        plan = self.plan
-        path = save_checkpoint(self.run_dir, self.config, plan.classes, self.state, self.rt, self.progress,
-                               self.loss.saved(), self.options.keep_ckpts, global_batch=plan.global_batch,
-                               shape=plan.shape)
+        run = RunState(state=self.state, progress=self.progress, loss_sums=self.loss.saved(), config=self.config)
+        path = save_checkpoint(self.run_dir, self.plan, run, self.rt, keep=self.options.keep_ckpts)
         if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()

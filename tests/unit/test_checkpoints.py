@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
 from ddpkit.run.checkpoints import (
     Progress,
+    RunState,
     checkpoint_differences,
     checkpoint_step,
     find_checkpoint,
@@ -62,8 +64,10 @@ def save(run_dir, step: int, recipe: dict = RECIPE, keep: int = 10, state: dict 
         model, optimizer = model_and_optimizer()
         state = {"model": model, "optimizer": optimizer, "average": None}
     loss_sum = torch.zeros(2, dtype=torch.float64) if loss_sum is None else loss_sum
-    return save_checkpoint(run_dir, recipe, classes, state, ONE, Progress(epoch=1, step_in_epoch=step, step=step), loss_sum,
-                           keep, global_batch=128, shape=shape)
+    plan = SimpleNamespace(classes=classes, shape=shape, global_batch=128)  # (what a checkpoint records of a RunPlan)
+    run = RunState(state=state, progress=Progress(epoch=1, step_in_epoch=step, step=step), loss_sums=loss_sum,
+                   config=recipe)
+    return save_checkpoint(run_dir, plan, run, ONE, keep=keep)
 
 
 # ----------------------------------------------------------------------------- save_atomic
