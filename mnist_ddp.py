@@ -76,20 +76,23 @@ Exit codes
 # while it loads, or while ranks wait for each other (a requeued job gets its time-limit
 # signal again), and would otherwise kill the process before anything can be saved. A Ctrl-C
 # while it loads ends the process at once, in one line.
+import sys
+
 try:
     from ddpkit import launch
 except ModuleNotFoundError as missing:  # this file was copied without the package beside it
     if missing.name != "ddpkit":
         raise
-    import sys
     print("mnist_ddp.py: error: cannot import ddpkit, the package this script runs on; keep the ddpkit/ folder beside "
           "mnist_ddp.py (copy both)", file=sys.stderr)
     sys.exit(2)
+except KeyboardInterrupt:  # a Ctrl-C before the stop signals are caught: nothing to save
+    print("mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
+    sys.exit(130)
 STOP_SIGNALS = launch.StopSignals(loading=True) if __name__ == "__main__" else None
 
 import copy  # (after the stop signals, on purpose: see above)
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
