@@ -5,7 +5,8 @@ with PyTorch DDP, launched by hand, by torchrun or by Slurm's srun.
 This file is the recipe, the part you adapt: options, data, model, schedule, training
 step, evaluation and the training loop. The machinery it stands on (launch environment,
 process group, staging, checkpoints, agreement and recovery, logging, exit codes) is the
-ddpkit/ package beside it; keep the two together.
+ddpkit/ package beside it, which this file reaches through one face, ddpkit/api.py (its
+`kit.` names); keep the two together.
 
 What it does
   * works out rank, local rank and world size from torchrun's variables, else from
@@ -118,26 +119,26 @@ class Recipe:
     machinery's options (data directories, devices, output, checkpoints) are the kit's
     RunOptions; --help lists both."""
     dataset: str = kit.option("mnist-sample", "mnist-sample is the bundled 4,000/1,000-image MNIST sample (offline); folder "
-                          "is your own images in --data-dir (DIR/train/<class>/*, DIR/test/<class>/*)", "data",
-                          choices=DATASETS)
+                              "is your own images in --data-dir (DIR/train/<class>/*, DIR/test/<class>/*)", "data",
+                              choices=DATASETS)
     model: str = kit.option("cnn", "network to train", "training", choices=MODELS)
     epochs: int = kit.option(8, "passes over the training set", "training", changeable=True)
     global_batch: int = kit.option(128, "images per optimiser step over all ranks, split evenly among them, so that 1 or 16 "
-                               "ranks train the same model", "training")
+                                   "ranks train the same model", "training")
     batch_size: int = kit.option(0, "images per step per rank instead (weak scaling): the global batch grows with the ranks, "
-                             "and --lr should grow with it (docs/defaults.md) (0: --global-batch / ranks)", "training")
+                                 "and --lr should grow with it (docs/defaults.md) (0: --global-batch / ranks)", "training")
     lr: float = kit.option(3e-3, "peak learning rate of the one-cycle schedule (AdamW)", "training", changeable=True)
     weight_decay: float = kit.option(5e-4, "AdamW weight decay", "training", changeable=True)
     dropout: float = kit.option(0.0, "dropout before the classifier (cnn, mlp)", "training")
     label_smoothing: float = kit.option(0.1, "label smoothing of the training loss (the test loss stays plain "
-                                    "cross-entropy)", "training")
+                                        "cross-entropy)", "training")
     shift: float = kit.option(0.25, "fraction of the training images moved by one pixel in a random direction, drawn afresh "
-                          "each epoch (0: no augmentation)", "training")
+                              "each epoch (0: no augmentation)", "training")
     ema: float = kit.option(0.99, "decay of an exponential moving average of the weights, which evaluation and model.pt use "
-                        "(0: off)", "training")
+                            "(0: off)", "training")
     seed: int = kit.option(0, "seed of weights and data order, the same on every rank", "training")
     max_steps: int = kit.option(0, "stop after this many optimiser steps in all (0: no limit); for smoke runs", "training",
-                            changeable=True)
+                                changeable=True)
 
     def check(self) -> None:
         kit.need(self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}")
@@ -145,11 +146,11 @@ class Recipe:
         kit.need(self.batch_size >= 0, f"--batch-size must be 0 (from --global-batch) or more, got {self.batch_size}")
         # Either one sets the batch; with both, one would be ignored without a word.
         kit.need(not (self.batch_size and self.global_batch != type(self).global_batch),  # (the class holds the default)
-             f"--batch-size {self.batch_size} and --global-batch {self.global_batch} both set the batch; pass one: "
-             "--global-batch for the images per step over all ranks, --batch-size for the images per rank")
+                 f"--batch-size {self.batch_size} and --global-batch {self.global_batch} both set the batch; pass one: "
+                 "--global-batch for the images per step over all ranks, --batch-size for the images per rank")
         kit.need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
         kit.need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-             f"--weight-decay must be 0 or more, got {self.weight_decay}")
+                 f"--weight-decay must be 0 or more, got {self.weight_decay}")
         kit.need(0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}")
         kit.need(0 <= self.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
         kit.need(0 <= self.shift <= 1, f"--shift must be in [0, 1], got {self.shift}")
@@ -237,7 +238,7 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
         return net
     # A name added to MODELS before its branch here: say so, rather than train another network under its name.
     raise kit.UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
-                            "that returns its nn.Module (docs/adapt.md)")
+                                "that returns its nn.Module (docs/adapt.md)")
 
 
 class WeightAverage:
@@ -429,8 +430,9 @@ def prepare_and_train(job: kit.Job) -> None:
         kit.split_batch(recipe.global_batch, rt.world_size, recipe.batch_size)  # (one that does not split stops here)
         train_set, test_set = read_data(recipe, options, data_dir, job)
     training = build_training(recipe, options, rt, train_set)
-    state = {"model": training.model, "optimizer": training.optimizer, "average": training.scored if training.average else None}
-    run = job.start_run(state, train_set, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
+    average = training.average.model if training.average else None
+    run = job.start_run({"model": training.model, "optimizer": training.optimizer, "average": average}, train_set,
+                        on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
     train(run, job, training, train_set, test_set)
 
 
