@@ -39,7 +39,6 @@ from ddpkit.job.contract import (
     EXIT_USAGE,
     FIRST_START_ONLY,
     JobEnv,
-    JobPaths,
     chains_left,
     hung_text,
     requeue_job,
@@ -150,7 +149,7 @@ def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
     if resubmit_start():
-        write_exit_file(launch, JobPaths.CONTINUE_COMMAND, command + "\n")
+        write_exit_file(launch, launch.paths.continue_command, command + "\n")
 
 
 def world_sizes(split: Callable[[int], int], most: int) -> list[int]:
@@ -222,8 +221,8 @@ class Job:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
             # (for the job's supervisor, which goes on with fewer ranks after it lost nodes, and
             # pins a rank's failure on its node)
-            write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
-            write_exit_file(self.launch, JobPaths.NODES, "".join(f"{peer.node}\n" for peer in peers))
+            write_exit_file(self.launch, self.launch.paths.world_sizes, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
+            write_exit_file(self.launch, self.launch.paths.nodes, "".join(f"{peer.node}\n" for peer in peers))
         self.describe_run(plan, ckpt_path)
         around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
                               startup=self.startup if rt.is_main else None,
@@ -298,10 +297,10 @@ class Job:
             roots = (Path(sys.argv[0]).resolve().parent, KIT)  # (the recipe's folder, ddpkit/)
 
             def named(behind: list[Peer]) -> None:
-                write_exit_file(self.launch, JobPaths.HUNG, hung_text([(peer.rank, peer.node) for peer in behind]))
+                write_exit_file(self.launch, self.launch.paths.hung, hung_text([(peer.rank, peer.node) for peer in behind]))
 
             def resolved() -> None:
-                remove_exit_file(self.launch, JobPaths.HUNG)
+                remove_exit_file(self.launch, self.launch.paths.hung)
 
             self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
                                         hang_after=hang_after, roots=roots, named=named, resolved=resolved).start()
@@ -394,7 +393,7 @@ class Job:
             if why in ("SIG" + requeue_signal, "the time limit came near"):
                 left = chains_left(os.environ)
                 with contextlib.suppress(OSError):  # (else the supervisor prints the continue line)
-                    write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
+                    write_exit_file(self.launch, self.launch.paths.requeue, f"{why}\n")
                     chains = left > 0
                 then = f"it chains the job that continues the run (CHAIN={left})" if chains else \
                     "the line below continues the run"
