@@ -153,8 +153,14 @@ def frozen_lines(copy: Path) -> list[list[str]] | None:
 def ever_started(sweep_dir: Path) -> bool:
     """Whether a run of the sweep directory ever started (its directory holds run.json or an
     exit code), or `submit` handed the sweep to Slurm, whose tasks may still wait in the queue."""
-    return (sweep_dir / SUBMITTED).exists() or any((run_dir / name).exists() for run_dir in sweep_dir.iterdir()
-                                                   if run_dir.is_dir() for name in ("run.json", JobPaths.EXIT_CODE, JobPaths.JOB_DIRS))
+    return (sweep_dir / SUBMITTED).exists() or any((run_dir / "run.json").exists() or holds_job_files(run_dir)
+                                                   for run_dir in sweep_dir.iterdir() if run_dir.is_dir())
+
+
+def holds_job_files(run_dir: Path) -> bool:
+    """Whether a run's directory holds the run's exit code or the folders of its jobs."""
+    paths = JobPaths(str(run_dir))
+    return os.path.exists(paths.exit_code) or os.path.exists(paths.job_dirs)
 
 
 def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
@@ -229,7 +235,7 @@ def run_locally(sweep_file: Path) -> int:
         # For summary, as run_training.sbatch writes it: also when mnist_ddp.py stopped before
         # it made the run's directory (a bad option, exit 2).
         (sweep_dir / name).mkdir(exist_ok=True)
-        (sweep_dir / name / JobPaths.EXIT_CODE).write_text(f"{code}\n")
+        Path(JobPaths(str(sweep_dir / name)).exit_code).write_text(f"{code}\n")
         if code:
             failed.append(f"{name} (exit {code})")
         if interrupted:
@@ -267,7 +273,7 @@ def exit_state(code: int) -> str:
 def run_state(run_dir: Path) -> str:
     if not run_dir.is_dir():
         return "pending"
-    code_file = run_dir / JobPaths.EXIT_CODE
+    code_file = Path(JobPaths(str(run_dir)).exit_code)
     if code_file.exists():
         code = int(code_file.read_text().strip() or 1)
         return exit_state(code)
@@ -306,7 +312,7 @@ def collect(sweep_dir: Path) -> list[dict]:
     runs = read_lines(sweep_file, allow_run_dirs=True) if sweep_file.exists() else []
     varied = varying(runs) if runs else []
     names = names_of(runs) if runs else sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").exists()
-                                               or (p / JobPaths.EXIT_CODE).exists() or (p / JobPaths.JOB_DIRS).exists())
+                                               or holds_job_files(p))
     rows = []
     for i, name in enumerate(names):
         run_dir = sweep_dir / name

@@ -41,7 +41,6 @@ from ddpkit.job.contract import (
     EXIT_USAGE,
     FIRST_START_ONLY,
     JobEnv,
-    JobPaths,
     chains_left,
     hung_text,
     requeue_job,
@@ -162,7 +161,7 @@ def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
     if resubmit_start():
-        write_exit_file(launch, JobPaths.CONTINUE_COMMAND, command + "\n")
+        write_exit_file(launch, launch.paths.continue_command, command + "\n")
 
 
 @dataclasses.dataclass
@@ -223,8 +222,8 @@ class Job:
             # (for the job's supervisor, which goes on with fewer ranks after it lost nodes, and
             # pins a rank's failure on its node)
             sizes = world_sizes(recipe.global_batch, recipe.batch_size, rt.world_size)
-            write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, sizes)) + "\n")
-            write_exit_file(self.launch, JobPaths.NODES, "".join(f"{peer.node}\n" for peer in peers))
+            write_exit_file(self.launch, self.launch.paths.world_sizes, " ".join(map(str, sizes)) + "\n")
+            write_exit_file(self.launch, self.launch.paths.nodes, "".join(f"{peer.node}\n" for peer in peers))
         self.describe_run(plan, ckpt_path)
         around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
                               startup=self.startup if rt.is_main else None,
@@ -299,10 +298,10 @@ class Job:
             roots = (Path(sys.argv[0]).resolve().parent, KIT)  # (the recipe's folder, ddpkit/)
 
             def named(behind: list[Peer]) -> None:
-                write_exit_file(self.launch, JobPaths.HUNG, hung_text([(peer.rank, peer.node) for peer in behind]))
+                write_exit_file(self.launch, self.launch.paths.hung, hung_text([(peer.rank, peer.node) for peer in behind]))
 
             def resolved() -> None:
-                remove_exit_file(self.launch, JobPaths.HUNG)
+                remove_exit_file(self.launch, self.launch.paths.hung)
 
             self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
                                         hang_after=hang_after, roots=roots, named=named, resolved=resolved).start()
@@ -396,7 +395,7 @@ class Job:
             if why in ("SIG" + requeue_signal, "the time limit came near"):
                 left = chains_left(os.environ)
                 with contextlib.suppress(OSError):  # (else the supervisor prints the continue line)
-                    write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
+                    write_exit_file(self.launch, self.launch.paths.requeue, f"{why}\n")
                     chains = left > 0
                 then = f"it chains the job that continues the run (CHAIN={left})" if chains else \
                     "the line below continues the run"

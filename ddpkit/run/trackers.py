@@ -264,7 +264,7 @@ class Tracker:
         """`start`: this start, to record on the tracker's run (None: a finished run started again,
         which only sends what the tracker may still lack)."""
         self.kind, self.run_dir, self.hparams, self.identity = tracker, run_dir, hparams, identity
-        self.path = run_dir / JobPaths.TRACKER
+        self.path = Path(JobPaths(str(run_dir)).tracker)
         with entry_lock(self.path, LOCK_WAIT):
             self.entry = find_entry(self.path, entry_name(tracker))
             state = read_entry(self.path, self.entry)
@@ -502,7 +502,7 @@ class Sender:
     def __init__(self, kind: str, run_dir: Path, entry: str):
         """`entry`: the tracker's entry in tracker.json, as rank 0 found it (find_entry)."""
         self.kind, self.run_dir = kind, run_dir
-        self.path, self.entry = run_dir / JobPaths.TRACKER, entry
+        self.path, self.entry = Path(JobPaths(str(run_dir)).tracker), entry
         self.state = read_entry(self.path, self.entry)
         self.waiting: list[list] = []
         self.hparams: dict = {}
@@ -631,7 +631,7 @@ def main(kind: str, run_dir: str, entry: str) -> None:
     signal reaches every process of a Slurm step, and this one must outlive rank 0's save."""
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    path = Path(run_dir) / JobPaths.TRACKER
+    path = Path(JobPaths(run_dir).tracker)
     with entry_lock(path, wait=24 * 3600.0):  # (an earlier start's sender first: it ends once it has sent)
         sender = Sender(kind, Path(run_dir), entry)
         threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()

@@ -218,7 +218,7 @@ class Supervisor:
         shutil.rmtree(s.job_dir, ignore_errors=True)
         if chained_job(s.run_dir) == s.job:  # this job, chained to continue the run, runs now: no longer queued
             try:
-                os.remove(os.path.join(s.run_dir, JobPaths.CHAINED_JOB))
+                os.remove(s.paths.chained_job)
             except OSError:
                 pass
         signal.signal(getattr(signal, "SIG" + s.signal), self.forward_signal)
@@ -243,8 +243,8 @@ class Supervisor:
             print(f"ATTEMPT {attempt + 1}/{attempts} after exit {outcome.status} ({outcome.why}): starting the step "
                   f"again in this allocation{fewer}; it resumes from the newest checkpoint", flush=True)
         self.stop_monitor()
-        if outcome.status == EXIT_STOPPED and os.path.exists(os.path.join(s.job_dir, JobPaths.REQUEUE)):
-            with open(os.path.join(s.job_dir, JobPaths.REQUEUE)) as file:
+        if outcome.status == EXIT_STOPPED and os.path.exists(s.paths.requeue):
+            with open(s.paths.requeue) as file:
                 self.requeue(file.read().strip())
         return self.end(outcome, attempt if s.launcher == "srun" else attempts)
 
@@ -343,7 +343,7 @@ class Supervisor:
               f"rank(s){instead}, without it", flush=True)
 
     def node_record(self) -> str:
-        return JobPaths.node_failures(self.s.run_dir, self.s.job)
+        return self.s.paths.node_failures
 
     def left_out(self) -> List[str]:
         """The nodes this job leaves out: those two of its failures were pinned on (nodes.py)."""
@@ -363,7 +363,7 @@ class Supervisor:
         fields, as read now ({} on one node)."""
         s = self.s
         fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
-        step = read_lines(os.path.join(s.job_dir, JobPaths.NODES))
+        step = read_lines(s.paths.nodes)
         if not step:  # (the ranks never met: the nodes the step was given)
             step = [node for node in self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")) if node not in s.excluded]
             step = step[:s.nodes]
@@ -425,7 +425,7 @@ class Supervisor:
         s, old = self.s, self.resubmit
         self.fields["ExcNodeList"] = with_excluded(self.fields.get("ExcNodeList", ""), nodes)
         os.environ[JobEnv.RESUBMIT] = self.resubmit = resubmit_line(s, os.environ, self.fields)
-        path = os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)
+        path = s.paths.continue_command
         line = " ".join(read_lines(path))
         if line.startswith(old + " "):
             try:
@@ -473,7 +473,7 @@ class Supervisor:
             if kept:  # (until the nodes left out are excluded, right after the requeue)
                 held_off.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))
             try:
-                os.remove(os.path.join(s.run_dir, JobPaths.EXIT_CODE))  # (not "stopped" while the job waits to run again)
+                os.remove(s.paths.exit_code)  # (not "stopped" while the job waits to run again)
             except OSError:
                 pass
 
@@ -504,10 +504,10 @@ class Supervisor:
                             requeued=self.requeued)
         print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{said}", flush=True)
         # Not when another job holds the run directory, nor once requeued: their outcome is still to come.
-        if not self.requeued and not os.path.exists(os.path.join(s.job_dir, JobPaths.RUN_DIR_TAKEN)):
+        if not self.requeued and not os.path.exists(s.paths.run_dir_taken):
             try:
                 os.makedirs(s.run_dir, exist_ok=True)
-                with open(os.path.join(s.run_dir, JobPaths.EXIT_CODE), "w") as file:
+                with open(s.paths.exit_code, "w") as file:
                     file.write(f"{status}\n")
             except OSError:
                 pass
@@ -539,7 +539,7 @@ class Supervisor:
         """The sbatch line that continues the run: rank 0's, else the options a restart would get."""
         s = self.s
         try:
-            with open(os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)) as file:
+            with open(s.paths.continue_command) as file:
                 line = file.read().strip()
         except OSError:
             line = ""
@@ -558,7 +558,7 @@ class Supervisor:
         if state not in QUEUED:
             return ""
         print(f"not chaining another job: Slurm job {queued} ({state}) already continues the run "
-              f"({os.path.join(s.run_dir, JobPaths.CHAINED_JOB)})", flush=True)
+              f"({s.paths.chained_job})", flush=True)
         return queued
 
     def chain(self, line: str) -> str:
@@ -578,7 +578,7 @@ class Supervisor:
                   flush=True)
             return ""
         try:
-            with open(os.path.join(s.run_dir, JobPaths.CHAINED_JOB), "w") as file:
+            with open(s.paths.chained_job, "w") as file:
                 file.write(new + "\n")
         except OSError:
             pass
@@ -610,7 +610,7 @@ def submit_dir() -> str:
 def chained_job(run_dir: str) -> str:
     """The id of the job CHAIN last submitted to continue the run (RUN_DIR/chained-job), or ""."""
     try:
-        with open(os.path.join(run_dir, JobPaths.CHAINED_JOB)) as file:
+        with open(JobPaths(run_dir).chained_job) as file:
             return file.read().strip()
     except OSError:
         return ""

@@ -57,10 +57,10 @@ def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[st
     in the job's folder; `step` is the step's nodes, should the ranks not have met (rank 0
     lists them by rank once they did: JobPaths.NODES). A kind of failure that names every node
     of the step pins none."""
-    by_rank = read_lines(os.path.join(job_dir, JobPaths.NODES))
+    by_rank = read_lines(JobPaths.of_folder(job_dir).nodes)
     hung, killed = {}, {}  # type: Dict[str, List[str]], Dict[str, List[str]]
     faults = {}  # type: Dict[str, List[Pin]]
-    for rank, node in read_hung("\n".join(read_lines(os.path.join(job_dir, JobPaths.HUNG)))):
+    for rank, node in read_hung("\n".join(read_lines(JobPaths.of_folder(job_dir).hung))):
         hung.setdefault(node, []).append(rank)
     for rank in outcome.killed:
         if rank < len(by_rank):
@@ -236,7 +236,7 @@ def left_out_by_jobs(run_dir: str, this_job: str) -> Dict[str, str]:
     node -> by whom and why, as "job 12 of this run (2 failures were pinned on it)" (or "this
     job (...)", for `this_job`)."""
     found = {}  # type: Dict[str, str]
-    for job, path in JobPaths.node_failure_records(run_dir):
+    for job, path in JobPaths(run_dir).node_failure_records():
         pins = read_pins(path)
         for node in left_out(pins):
             by = "this job" if job == this_job else f"job {job} of this run"

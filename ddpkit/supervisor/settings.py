@@ -52,9 +52,14 @@ class Settings:
         return os.path.join(self.log_dir, self.run_name)
 
     @property
+    def paths(self) -> JobPaths:
+        """The files of the run directory and of this job's own folder in it."""
+        return JobPaths(self.run_dir, self.job)
+
+    @property
     def job_dir(self) -> str:
-        """This job's own folder in the run directory (JobPaths names its files)."""
-        return JobPaths.job_dir(self.run_dir, self.job)
+        """This job's own folder in the run directory."""
+        return self.paths.job_dir
 
 
 def decimal(env: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:

@@ -350,11 +350,11 @@ def test_each_rank_leaves_its_exit_code_in_the_exit_folder(tmp_path):
     launch = Launch("torchrun", 1, 1, 2, "a", 1, "", 0, exit_dir=str(tmp_path / "exits" / "job-7"))
     record_exit(EXIT_LOST_PEER, launch)
     assert (tmp_path / "exits" / "job-7" / "rank-1").read_text() == "4\n"
-    write_exit_file(launch, "continue-command", "python mnist_ddp.py\n")
+    write_exit_file(launch, launch.paths.continue_command, "python mnist_ddp.py\n")
     assert sorted(p.name for p in (tmp_path / "exits" / "job-7").iterdir()) == ["continue-command", "rank-1"]
     record_exit(EXIT_BUG, None)  # before the launch was read: nowhere to write
     nowhere = Launch("single", 0, 0, 1, "a", 0, "", 0)
-    write_exit_file(nowhere, "rank-0", "1\n")
+    write_exit_file(nowhere, nowhere.paths.rank_code(0), "1\n")
     record_exit(EXIT_BUG, nowhere)
     assert list(tmp_path.iterdir()) == [tmp_path / "exits"]
     # A folder that cannot be written (here: a file in the way) loses the code, not the exit.

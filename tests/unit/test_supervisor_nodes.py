@@ -184,7 +184,7 @@ def test_a_node_pinned_twice_is_left_out_and_the_step_goes_on_on_the_jobs_other_
     assert printed(result, "ATTEMPT 3/4")[0].endswith(
         ": the job holds 3 of its 3 nodes (n1,n2,n3), 2 without the node it leaves out, so on 2 node(s) with 2 rank(s) instead of 3; "
         "it resumes from the newest checkpoint")
-    assert list(read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))) == ["n2"]
+    assert list(read_pins(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)) == ["n2"]
 
 
 def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_line_after_end_excludes_it(tmp_path):
@@ -216,7 +216,7 @@ def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_li
                               ["n1", "n3"], excluded="n2", SLURM_RESTART_COUNT="1")
     assert requeued.returncode == 0 and "leaving" not in requeued.stdout, requeued.stdout + requeued.stderr
     assert " --exclude=n2 " in (tmp_path / "line").read_text()
-    pins = read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    pins = read_pins(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)
     assert pins["n3"] == [Pin("1", "attempt 1 after 1 requeue(s), exit 4: a hang report named rank 1 on it")]
 
 
@@ -228,7 +228,7 @@ def test_what_a_bug_a_divergence_or_a_lost_peer_alone_leaves_pins_nothing(tmp_pa
     assert bug.returncode == 1 and "leaving" not in bug.stdout
     lost = supervised_job(tmp_path, [step(nodes, {0: 4, 1: 4}, 4)] * 2, nodes, MAX_RESTARTS="1")
     assert lost.returncode == 4 and "ATTEMPT 2/2" in lost.stdout and "leaving" not in lost.stdout
-    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+    assert not Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures).exists()
 
 
 # ----------------------------------------------------------------------------- what caps the nodes left out
@@ -269,7 +269,7 @@ def test_a_job_is_requeued_once_to_leave_a_node_out_never_twice(tmp_path):
     nodes left without it: not requeued again (each round might leave out another healthy
     node); it starts again as before until MAX_RESTARTS, then its END line and the line that
     continues the run, which excludes both."""
-    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record = Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)
     record.parent.mkdir(parents=True)
     record.write_text("n2\t\tattempt 1, exit 137: the job lost it (Slurm took it from the job)\n" * 2)
     (tmp_path / "requeue-accepted").touch()
@@ -288,7 +288,7 @@ def test_a_requeued_job_leaves_its_nodes_out_from_its_first_step(tmp_path):
     """Requeued, the job holds n2 again (Slurm could not keep it off): with MIN_NODES=2 its first
     step runs without n2; with MIN_NODES unset (every node), it runs on n2 as before, and a
     failure pinned there requeues it no more."""
-    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record = Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)
     record.parent.mkdir(parents=True)
     record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2)
     (record.parent / "job-77").mkdir()
@@ -346,7 +346,7 @@ def test_a_node_name_outside_the_jobs_node_list_is_never_pinned(tmp_path):
     result = supervised_job(tmp_path, [hang, hang, step(["c7f3a"], {0: 0}, 0)], nodes, MIN_NODES="1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "leaving" not in result.stdout and "c9b2e" not in (tmp_path / "srun.log").read_text()
-    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+    assert not Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures).exists()
 
 
 # ----------------------------------------------------------------------------- what Slurm can keep the job off
@@ -463,7 +463,7 @@ def test_the_line_after_end_says_which_excluded_nodes_a_job_of_the_run_left_out_
     """A job submitted with the line that job 12 printed (--exclude=n2, which job 12 left out,
     and n5, the user's own): its line after END still excludes both, and the next line says
     which is which, and how to take n2 back once repaired."""
-    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "12"))
+    record = Path(JobPaths(str(tmp_path / "runs" / "job-77"), "12").node_failures)
     record.parent.mkdir(parents=True)
     record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2
                       + "n3\t2\tattempt 2, exit 4: a hang report named rank 2 on it\n")
