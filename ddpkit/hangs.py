@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.files import replace_json
+
 KIT = Path(__file__).resolve().parent   # ddpkit/
 PYTHON_LIBRARY = Path(sysconfig.get_paths()["stdlib"]).resolve()
 SLACK = 2.0     # seconds between hosts' clocks that a summary's time may be off by
@@ -372,7 +374,7 @@ class HangWatch:
         faulthandler.dump_traceback(self.file, all_threads=True)
         self.file.write("\n")
         self.file.flush()
-        write_json(self.folder / f"rank-{self.rank}.json",
+        replace_json(self.folder / f"rank-{self.rank}.json",
                    {"rank": self.rank, "host": self.host, "step": _step[0], "waiting": waits, "where": where,
                     "busy": what if kind == OWN else "", "time": time.time()})
         if not waits:
@@ -388,7 +390,7 @@ class HangWatch:
                 break
             self.arm_faulthandler()
         for peer in silent:  # a rank of this host that wrote nothing: look at it from outside
-            write_json(self.folder / f"rank-{peer.rank}.json",
+            replace_json(self.folder / f"rank-{peer.rank}.json",
                        {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer), "time": time.time()})
         if self.stopped.wait(TICK):
             return
@@ -428,12 +430,6 @@ class HangWatch:
                 if summary["time"] >= began:
                     summaries[int(summary["rank"])] = summary
         return summaries
-
-
-def write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value))
-    os.replace(temporary, path)
 
 
 def remove_empty(hangs: Path, keep: Path) -> None:

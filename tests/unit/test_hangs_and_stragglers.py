@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ddpkit import hangs
+from ddpkit.files import replace_json
 from ddpkit.run import stragglers
 
 
@@ -90,7 +91,7 @@ def test_every_rank_waiting_in_one_collective_in_training_gets_a_line_that_names
         watch = hangs.HangWatch(rank=0, peers=[hangs.Peer(0, socket.gethostname(), os.getpid()), peers[1]],
                                 folder=folder, hang_after=10, roots=(hangs.KIT,), stream=stream, named=named.append)
         watch.arm_faulthandler()
-        hangs.write_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
+        replace_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
         before = hangs._step[0]
         hangs._step[0] = step
         try:
