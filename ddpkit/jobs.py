@@ -89,13 +89,6 @@ from ddpkit.run.time_limit import TimeLimit, read_job_times
 from ddpkit.run.trackers import NoTracker, Start, Tracker
 from ddpkit.run.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
 
-
-def requeue_slurm_job(launch: Launch) -> bool:
-    """Ask Slurm to requeue this job, if it may (the contract's requeue_job, the supervisor's
-    too); the job's processes die with this call. Any failure means 'not requeued'."""
-    return requeue_job(launch.job_id)
-
-
 # What a command that continues a run leaves out: the options of its first start alone
 # (contract.FIRST_START_ONLY: where it started from, the testing aid that would stop the run
 # again at the same step), staging alone, a profile (it was taken); and, under
@@ -403,7 +396,7 @@ class Job:
         requeue_here = rt.is_main and not requeue_signal and stop.received != signal.SIGINT
         if requeue_here and self.launch.job_id:
             self.logger.close(EXIT_STOPPED)  # (a requeue that succeeds ends every process here: the tracker first)
-        requeued = requeue_here and requeue_slurm_job(self.launch)
+        requeued = requeue_here and requeue_job(self.launch.job_id)  # (the supervisor's requeue too)
         if rt.is_main and not requeued and not chains:  # (run again, a line would queue a second job for the run)
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")
