@@ -45,6 +45,7 @@ from ddpkit.job.contract import (
     requeue_job,
     resubmit_start,
 )
+from ddpkit.job.sweeplines import RUN_DIR_OPTIONS
 from ddpkit.launch import (
     INTERRUPTED,
     PROG,
@@ -96,7 +97,7 @@ from ddpkit.run.training_run import RunPlan, RunState, Surroundings, TrainingRun
 # refuses these options after its name). The data directories stay: an option given after
 # the batch file's name wins over DATA_DIR.
 NOT_CONTINUED = tuple(name[2:].replace("-", "_") for name in FIRST_START_ONLY) + ("download_only", "profile")
-SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
+SET_BY_BATCH_FILE = tuple(name[2:].replace("-", "_") for name in RUN_DIR_OPTIONS)
 
 
 def continue_command(recipe, options: RunOptions, launch: Launch, run_dir: Path, **changes: str) -> str:
