@@ -47,7 +47,7 @@ MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.job.contract.x_port_from
            'mnist_ddp.x_epoch_shard__*' 'mnist_ddp.x_epoch_shifts__*' \
            'sweep.x_exit_state__*' 'sweep.x_run_state__*' 'sweep.x_collect__*' 'sweep.x_summary_table__*' \
            'sweep.x_read_records__*' \
-           'ddpkit.run.training_run.*' 'ddpkit.jobs.x_requeue_slurm_job__*' \
+           'ddpkit.run.training_run.*' \
            'ddpkit.distributed.x_pick_device__*' 'ddpkit.distributed.x_invisible_gpu_cause__*' \
            'ddpkit.distributed.x_busy_gpu_cause__*' 'ddpkit.distributed.x_unusable_gpu_message__*' \
            'ddpkit.distributed.x_amp_warning__*' 'ddpkit.distributed.x_cuda_version__*' \

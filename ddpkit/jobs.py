@@ -46,6 +46,7 @@ from ddpkit.job.contract import (
     requeue_job,
     resubmit_start,
 )
+from ddpkit.job.sweeplines import RUN_DIR_OPTIONS
 from ddpkit.launch import (
     INTERRUPTED,
     PROG,
@@ -100,13 +101,6 @@ from ddpkit.run.training_run import (
     world_sizes,
 )
 
-
-def requeue_slurm_job(launch: Launch) -> bool:
-    """Ask Slurm to requeue this job, if it may (the contract's requeue_job, the supervisor's
-    too); the job's processes die with this call. Any failure means 'not requeued'."""
-    return requeue_job(launch.job_id)
-
-
 # What a command that continues a run leaves out: the options of its first start alone
 # (contract.FIRST_START_ONLY: where it started from, the testing aid that would stop the run
 # again at the same step), staging alone, a profile (it was taken); and, under
@@ -114,7 +108,7 @@ def requeue_slurm_job(launch: Launch) -> bool:
 # refuses these options after its name). The data directories stay: an option given after
 # the batch file's name wins over DATA_DIR.
 NOT_CONTINUED = tuple(name[2:].replace("-", "_") for name in FIRST_START_ONLY) + ("download_only", "profile")
-SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
+SET_BY_BATCH_FILE = tuple(name[2:].replace("-", "_") for name in RUN_DIR_OPTIONS)
 
 
 def continue_command(recipe, options: RunOptions, launch: Launch, run_dir: Path, **changes: str) -> str:
@@ -404,7 +398,7 @@ class Job:
         requeue_here = rt.is_main and not requeue_signal and stop.received != signal.SIGINT
         if requeue_here and self.launch.job_id:
             self.logger.close(EXIT_STOPPED)  # (a requeue that succeeds ends every process here: the tracker first)
-        requeued = requeue_here and requeue_slurm_job(self.launch)
+        requeued = requeue_here and requeue_job(self.launch.job_id)  # (the supervisor's requeue too)
         if rt.is_main and not requeued and not chains:  # (run again, a line would queue a second job for the run)
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")

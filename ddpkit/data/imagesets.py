@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, Dataset
 from ddpkit.data import staging
 from ddpkit.data.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
 from ddpkit.distributed import Runtime
+from ddpkit.files import replace_json
 from ddpkit.launch import UsageError
 from ddpkit.options import RunOptions
-from ddpkit.run.checkpoints import replace_text
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -512,9 +512,8 @@ def read_stats_cache(root: Path, fingerprint: str) -> FolderFacts | None:
 def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
     """Write the cache atomically (a reader never sees half of it); "" or why it failed."""
     try:
-        replace_text(root / STATS_FILE, json.dumps({"format": STATS_FORMAT, "fingerprint": fingerprint,
-                                                     "images_checked": True, "shape": facts.shape, "mean": facts.mean,
-                                                     "std": facts.std}) + "\n")
+        replace_json(root / STATS_FILE, {"format": STATS_FORMAT, "fingerprint": fingerprint, "images_checked": True,
+                                         "shape": facts.shape, "mean": facts.mean, "std": facts.std})
     except OSError as err:
         return err.strerror or str(err)
     return ""

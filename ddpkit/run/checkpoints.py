@@ -1,4 +1,4 @@
-"""Checkpoints and resume: atomic saves, the run's Progress, rotation, setting aside the
+"""Checkpoints and resume: saves (atomic: ddpkit/files.py), the run's Progress, rotation, setting aside the
 checkpoints a run no longer continues, and choosing, checking and loading the one to resume from.
 
 A checkpoint holds plain dicts: the options it was written with, the classes and the
@@ -8,7 +8,6 @@ loss sums). It is checkpoints/ckpt-<step, 8 digits>.pt: a file of another name t
 copy a user made, ckpt-best.pt) is theirs, and --resume auto, rotation and setting aside
 leave it alone."""
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -23,53 +22,10 @@ import torch
 import torch.nn as nn
 
 from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
+from ddpkit.files import TEMPORARY_SUFFIX, save_atomic
 from ddpkit.job.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
 from ddpkit.launch import UsageError
 from ddpkit.options import flag
-
-TEMPORARY_SUFFIX = ".tmp-"  # save_atomic and replace_text write .NAME.tmp-PID beside NAME
-
-
-def temporary_beside(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TEMPORARY_SUFFIX}{os.getpid()}")
-
-
-def replace_text(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`: a reader
-    or a kill never meets half of it. A failed write removes its temporary file."""
-    tmp = temporary_beside(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-def save_atomic(obj, path: Path) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it: a crash
-    mid-write leaves the previous file intact (rename is atomic on POSIX and NFS).
-
-    A failed write removes its temporary file (left there, it would keep a full disk full
-    for every later attempt) and raises an OSError that names `path`: torch.save reports a
-    full disk as a RuntimeError raised while handling it, and a write's OSError names no file."""
-    tmp = temporary_beside(path)
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:  # KeyboardInterrupt too
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        cause = err if isinstance(err, Exception) else None
-        while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        raise OSError(cause.errno, cause.strerror, str(path)) from err
 
 
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:

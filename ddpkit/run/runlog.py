@@ -23,8 +23,8 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from ddpkit.distributed import Runtime, all_reduce
+from ddpkit.files import replace_json, replace_text
 from ddpkit.launch import Launch
-from ddpkit.run.checkpoints import replace_text
 from ddpkit.run.trackers import NoTracker, Tracker, epoch_scalars
 
 
@@ -302,7 +302,7 @@ class RunLogger:
         resumed_step, note = plan.resumed_step, plan.note
         # For sweep.py summary and anyone reading the directory: what this attempt runs with;
         # replaced whole, so that a reader never meets it empty or half written.
-        replace_text(run_dir / "run.json", json.dumps({"config": options, "environment": environment}))
+        replace_json(run_dir / "run.json", {"config": options, "environment": environment})
         self.log_every, self.progress_every, self.classes = plan.log_every, plan.progress_every, classes
         self.last_progress = time.monotonic()
         # The run goes on from resumed_step (0: from the start) and repeats what came after

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ddpkit.files import replace_json
 from ddpkit.job.contract import EXIT_STOPPED, JobPaths
 
 # How long the end of a start waits for the sender to hand the tracker what is left (a stop on
@@ -239,19 +240,16 @@ def entry_lock(path: Path, wait: float):
 
 
 def write_entry(path: Path, entry: str, state: dict) -> None:
-    """Replace the entry in tracker.json, whole (through a file beside it, renamed over it)."""
+    """Replace the entry in tracker.json."""
     try:
         every = json.loads(path.read_text())
     except (OSError, ValueError):
         every = {}
     every = every if isinstance(every, dict) else {}
     every[entry] = state
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        temporary.write_text(json.dumps(every, indent=1))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    # (the sender of an earlier start may still write it when a new start clears the run's
+    # directory of unfinished saves: its temporary is not one of theirs)
+    replace_json(path, every, indent=1, suffix=".")
 
 
 # ----------------------------------------------------------------------------- rank 0's side

@@ -24,9 +24,10 @@ import torch
 
 from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
+from ddpkit.files import save_atomic
 from ddpkit.launch import Diverged, StartupClock, StopSignals, UsageError
 from ddpkit.options import RunOptions, need
-from ddpkit.run.checkpoints import Progress, RunState, run_is_done, save_atomic, save_checkpoint, weights_are_finite
+from ddpkit.run.checkpoints import Progress, RunState, run_is_done, save_checkpoint, weights_are_finite
 from ddpkit.run.profiling import StepProfiler
 from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.run.runlog import final_figures, gpu_figures, peak_rss_mb

@@ -17,8 +17,6 @@
   AID_SLOW_SAVE=R:N:S  rank R's checkpoint of step N takes S seconds more (a slow file system)
   AID_STEP_SECONDS=S   every rank's training step lasts at least S seconds: it sleeps the rest
                        after the step, so that a run has a known length whatever the load
-  AID_NO_STEP_TIMES=1  no rank times its own part of a step (the straggler figures), for
-                       benchmarks/bench.py --step-times, which measures what they cost
   AID_NO_MODULE=M,N    the modules M and N cannot be imported, as if their packages were not
                        installed (read at start-up: for a fresh interpreter, not a forked run)
   AID_THREADS_AT_EXIT=1  a rank (RANK or SLURM_PROCID set) says on stderr, as its interpreter
@@ -64,10 +62,6 @@ def aid(module):
     run.aided = True
     plain_init, plain_epoch_begins, plain_step_done, plain_checkpoint = (
         run.__init__, run.epoch_begins, run.step_done, run.checkpoint)
-    plain_step_timer = module.StepTimer
-
-    def step_timer(model):
-        return plain_step_timer(None if os.environ.get("AID_NO_STEP_TIMES") == "1" else model)
 
     def __init__(self, *args, **kwargs):
         plain_init(self, *args, **kwargs)
@@ -109,7 +103,6 @@ def aid(module):
         self.aid_step_began = time.perf_counter()
         return path
 
-    module.StepTimer = step_timer
     run.__init__, run.epoch_begins, run.step_done, run.checkpoint = __init__, epoch_begins, step_done, checkpoint
 
 

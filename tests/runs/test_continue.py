@@ -1,7 +1,7 @@
 """A run's name is its identity: the command that a stopped or diverged run prints is run
 verbatim and carries that run on; --allow-changes lets it train longer or with another
 learning rate; a finished run says so; a stop signal during start-up is kept, not fatal;
-a missing, hanging or refusing scontrol means "not requeued", not a crash (requeue_slurm_job
+a missing, hanging or refusing scontrol means "not requeued", not a crash (contract.requeue_job
 itself: tests/unit/test_requeue.py).
 
     python -m pytest tests/runs/test_continue.py

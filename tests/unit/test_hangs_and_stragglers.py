@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ddpkit import hangs
+from ddpkit.files import replace_json
 from ddpkit.run import stragglers
 
 
@@ -90,13 +91,13 @@ def test_every_rank_waiting_in_one_collective_in_training_gets_a_line_that_names
         watch = hangs.HangWatch(rank=0, peers=[hangs.Peer(0, socket.gethostname(), os.getpid()), peers[1]],
                                 folder=folder, hang_after=10, roots=(hangs.KIT,), stream=stream, named=named.append)
         watch.arm_faulthandler()
-        hangs.write_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
-        before = hangs._step[0]
-        hangs._step[0] = step
+        replace_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
+        before = hangs.main_thread.step
+        hangs.main_thread.step = step
         try:
             watch.report(label, time.monotonic() - 12, hangs.WAITS)
         finally:
-            hangs._step[0] = before
+            hangs.main_thread.step = before
             watch.stop()
         return stream.getvalue(), named
 
@@ -198,16 +199,16 @@ def test_a_hang_report_that_resolved_is_taken_back_once_a_step_finishes_after_it
     peer's error ends the wait too, and then the verdict stands."""
     taken_back = []
     watch = hangs.HangWatch(rank=0, peers=[], folder=tmp_path, hang_after=10, roots=(), resolved=lambda: taken_back.append(1))
-    before = hangs._step[0]
+    before = hangs.main_thread.step
     try:
-        hangs._step[0] = 6
+        hangs.main_thread.step = 6
         watch.forget_a_resolved_hang()  # (no verdict yet)
         watch.named_after = 6  # (as a verdict that named ranks after step 6 leaves it)
         watch.forget_a_resolved_hang()
         assert taken_back == []
-        hangs._step[0] = 7
+        hangs.main_thread.step = 7
         watch.forget_a_resolved_hang()
         watch.forget_a_resolved_hang()
         assert taken_back == [1] and watch.named_after is None
     finally:
-        hangs._step[0] = before
+        hangs.main_thread.step = before
