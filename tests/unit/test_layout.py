@@ -1,7 +1,8 @@
 """The layout a copier meets, read from the code with `ast`: the recipe imports the kit through
 its face (ddpkit/api.py) alone, besides the launch prologue; the face lists exactly the names
 the recipe uses; the supervisor imports nothing of the kit but its own wing and the job's;
-no wing imports the face or the job runner above it; the recipe stays short, and the
+no wing imports the face or the job runner above it, and the run's and the data's wings
+import neither the other; the recipe stays short, and the
 functions a reader of the loop meets take a handful of parameters.
 
     python -m pytest tests/unit/test_layout.py
@@ -71,11 +72,14 @@ def test_the_supervisor_imports_only_its_own_wing_and_the_jobs():
         assert all(name.startswith("ddpkit.job.") for name in kit_imports(path)), path
 
 
-def test_no_wing_imports_the_face_or_the_job_runner_above_it():
+def test_no_wing_imports_the_face_or_the_job_runner_above_it_and_run_and_data_stand_apart():
     for wing in ("run", "data", "job", "supervisor"):
         for path in (KIT / wing).glob("*.py"):
             above = kit_imports(path) & {"ddpkit.api", "ddpkit.jobs"}
             assert not above, (path, above)
+    for wing, other in (("run", "ddpkit.data"), ("data", "ddpkit.run")):
+        for path in (KIT / wing).glob("*.py"):
+            assert not any(name.startswith(other) for name in kit_imports(path)), path
 
 
 def test_the_recipe_is_short_and_its_loop_takes_a_handful_of_parameters():
