@@ -411,6 +411,24 @@ def test_after_a_node_left_out_a_lost_node_leaves_the_step_on_the_usable_nodes_a
         "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
 
 
+def test_a_node_left_out_after_the_step_went_on_with_fewer_nodes_leaves_the_line_asking_for_the_jobs_nodes(tmp_path):
+    """MIN_NODES=1 of 3 nodes: n3 lost, the step goes on with 2; then n2 pinned twice is left out
+    (the line that continues the run excludes it from then on) and the step goes on on n1
+    alone. That line still asks for the job's 3 nodes, as its first version did, not for the
+    2 of the step that was running when n2 was left out."""
+    nodes = ["n1", "n2", "n3"]
+    lose_n3 = step(nodes, {0: 4, 1: 4}, 137, world_sizes="1 2 3",
+                   then=f"echo '{LINE} NumNodes=2 NodeList=n1,n2 ExcNodeList=(null)' > {tmp_path}/shows")
+    hang = step(["n1", "n2"], {0: 4}, 4, hung="1 n2", world_sizes="1 2 3")
+    result = supervised_job(tmp_path, [lose_n3, hang, hang, step(["n1"], {0: 4}, 4)], nodes, MIN_NODES="1")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines()[1:] == [
+        "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --relative=0"] * 2 + [
+        "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
+    line = printed(result, "to continue")[0]
+    assert " --nodes=3 " in line and " --exclude=n2 " in line, line
+
+
 def test_a_lost_node_with_min_nodes_starts_the_step_again_on_the_node_left_as_recovery_md_quotes(tmp_path):
     """MIN_NODES=1 of 2 nodes, n2 lost (scontrol shows n1 alone): the step starts again on n1
     with 1 rank, and its ATTEMPT line is the one docs/recovery.md quotes, whole."""
