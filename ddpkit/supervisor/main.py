@@ -57,7 +57,6 @@ from ddpkit.job.contract import (
 )
 from ddpkit.supervisor.nodes import (
     Held,
-    Pin,
     Step,
     Usable,  # noqa: F401 (in a type comment)
     cannot_keep_off_line,
@@ -77,6 +76,7 @@ from ddpkit.supervisor.nodes import (
     record_pins,
     run_failure_line,
     step_nodes,
+    step_pins,
     whole_job,
     with_excluded,
 )
@@ -331,13 +331,7 @@ class Supervisor:
             step = step_nodes(self.step, self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")))
         pins = failure_pins(s.job_dir, outcome, step)
         held = self.nodes_of(fields.get("NodeList", "")) if fields else []
-        # (only the job's own nodes: a rank that could not name its node, as in a container
-        # without SLURMD_NODENAME, names another, which the job never held nor lost)
-        job_nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
-        pins = {node: pin for node, pin in pins.items() if node in job_nodes or not job_nodes}
-        for node in step:
-            if held and node not in held and node in job_nodes:
-                pins[node] = Pin("", "the job lost it (Slurm took it from the job)")
+        pins = step_pins(pins, step=step, held=held, job_nodes=self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")))
         requeues = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         failure = f"attempt {attempt}{f' after {requeues} requeue(s)' if requeues else ''}, exit {outcome.status}"
         before, record = self.left_out(), read_pins(self.node_record())

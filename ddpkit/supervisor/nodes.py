@@ -95,6 +95,19 @@ def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[st
     return pins
 
 
+def step_pins(pins: Dict[str, Pin], *, step: Sequence[str], held: Sequence[str], job_nodes: Sequence[str]
+              ) -> Dict[str, Pin]:
+    """A step's `pins` (failure_pins) on the job's own nodes alone (a rank that could not name
+    its node, as in a container without SLURMD_NODENAME, names another, which the job never
+    held nor lost; every one where the job's nodes are unknown), and on each node of the
+    `step` that the job no longer holds ([]: unknown), the job's lost it."""
+    pins = {node: pin for node, pin in pins.items() if node in job_nodes or not job_nodes}
+    for node in step:
+        if held and node not in held and node in job_nodes:
+            pins[node] = Pin("", "the job lost it (Slurm took it from the job)")
+    return pins
+
+
 def read_pins(path: str) -> Dict[str, List[Pin]]:
     """The failures pinned on each node so far (JobPaths.node_failures: a line each, the node,
     the ranks and the failure and why, separated by tabs), in the order they came."""

@@ -35,6 +35,7 @@ from ddpkit.supervisor.nodes import (
     read_pins,
     record_pins,
     step_nodes,
+    step_pins,
     usable_nodes,
     with_excluded,
 )
@@ -78,6 +79,22 @@ def leave(job_dir: Path, files: dict) -> Path:
 ])
 def test_which_node_a_failure_is_pinned_on(tmp_path, files, outcome, pins):
     assert failure_pins(str(leave(tmp_path / "job", files)), outcome, ["n1", "n2", "n3"]) == pins
+
+
+HANG = Pin("1", "a hang report named rank 1 on it")
+LOST = Pin("", "the job lost it (Slurm took it from the job)")
+
+
+@pytest.mark.parametrize("pins, step, held, job_nodes, kept", [
+    ({"n2": HANG}, ["n1", "n2"], ["n1", "n2"], ["n1", "n2"], {"n2": HANG}),
+    ({"n2": HANG}, ["n1", "n2"], ["n1"], ["n1", "n2"], {"n2": LOST}),  # (lost: the hang was its loss)
+    ({}, ["n1", "n2"], ["n1"], ["n1", "n2"], {"n2": LOST}),
+    ({}, ["n1", "n2"], [], ["n1", "n2"], {}),  # (the nodes held unknown: none lost)
+    ({"c9b2e": HANG}, ["c7f3a", "c9b2e"], ["n1"], ["n1", "n2"], {}),  # (names not the job's: none)
+    ({"c9b2e": HANG}, ["c7f3a", "c9b2e"], [], [], {"c9b2e": HANG}),  # (the job's nodes unknown: as named)
+])
+def test_a_steps_pins_are_on_the_jobs_own_nodes_and_on_those_it_lost(pins, step, held, job_nodes, kept):
+    assert step_pins(pins, step=step, held=held, job_nodes=job_nodes) == kept
 
 
 def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder(tmp_path):
