@@ -205,7 +205,7 @@ class Next(NamedTuple):
     requeue: bool
 
 
-def narrowed(step: Step, go_on: int, tasks_per_node: int, nodes: Sequence[str], usable: Sequence[str]) -> Step:
+def narrowed(step: Step, go_on: int, tasks_per_node: int, *, nodes: Sequence[str], usable: Sequence[str]) -> Step:
     """`step` on `go_on` nodes. Where the job leaves some of the `nodes` it holds out (fewer are
     `usable`), srun runs it on exactly the nodes chosen, rank 0 on the first, where the
     rendezvous moves when it was on a node left out; else on the first of the nodes held."""
@@ -230,7 +230,7 @@ def first_step(s: Settings, *, nodes: Sequence[str], left: Sequence[str], world_
     if not go_on:
         return Next(step, f"the job holds {held} again, which it leaves out, and too few nodes without it (MIN_NODES="
                           f"{s.min_nodes}): it runs on them, and is not requeued again to leave them out", "", False)
-    new = narrowed(step, go_on, s.tasks_per_node, nodes, usable)
+    new = narrowed(step, go_on, s.tasks_per_node, nodes=nodes, usable=usable)
     instead = f" instead of {step.ntasks}" if new.ntasks != step.ntasks else ""
     return Next(new, f"the job holds {held} again, which it leaves out: its step runs on {go_on} node(s) with "
                      f"{new.ntasks} rank(s){instead}, without it", "", False)
@@ -290,7 +290,7 @@ def next_step(s: Settings, step: Step, held: Held, *, left: Sequence[str], world
         why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if count < s.min_nodes else \
             f"and no count of them from MIN_NODES={s.min_nodes} up, {per_node}, keeps the global batch"
         return Next(None, "", f"{lost}, {why}", True)
-    new = narrowed(step, go_on, s.tasks_per_node, held.nodes, usable)
+    new = narrowed(step, go_on, s.tasks_per_node, nodes=held.nodes, usable=usable)
     instead = f" instead of {step.ntasks}" if new.ntasks != step.ntasks else ""
     return Next(new, f": {lost}, so on {go_on} node(s) with {new.ntasks} rank(s){instead}", "", False)
 
