@@ -37,10 +37,10 @@ class Settings:
     node_data_dir = python = environment = batch_file = job = ""
     passed_on = {}  # type: Dict[str, str]  # the PASSED_ON settings as given, before the supervisor sets any
     check = min_nodes_set = False
-    max_restarts = master_port = ntasks = nodes = tasks_per_node = 0
+    max_restarts = master_port = tasks_per_node = 0
     chain = 0  # CHAIN: the jobs still to submit, one after another, where Slurm does not requeue a stopped job
-    job_nodes = min_nodes = 0  # the nodes the job was given; the fewest it goes on with after losing some
-    excluded = []  # type: List[str]  # the job's nodes its step leaves out (a node left out, those a smaller step leaves)
+    nodes = ntasks = 0  # the nodes and ranks the job was given (its steps' own: nodes.py's Step)
+    min_nodes = 0  # the fewest nodes it goes on with after losing some
     container = []  # type: List[str]      # words before each rank's command (Apptainer, Singularity, CONTAINER_CMD)
     container_srun = []  # type: List[str]  # srun's own options (Pyxis)
     container_desc = "none"
@@ -120,7 +120,7 @@ def read_settings(env: Mapping[str, str], *, project: str, batch_file: str, envi
     s.ntasks = int(env.get("SLURM_NTASKS", "1"))
     s.nodes = int(env.get("SLURM_JOB_NUM_NODES", "1"))
     s.tasks_per_node = int(env.get("SLURM_NTASKS_PER_NODE") or s.ntasks // s.nodes)
-    s.job_nodes, s.min_nodes, s.min_nodes_set = s.nodes, decimal(env, "MIN_NODES", 1, s.nodes, s.nodes), "MIN_NODES" in env
+    s.min_nodes, s.min_nodes_set = decimal(env, "MIN_NODES", 1, s.nodes, s.nodes), "MIN_NODES" in env
     if s.min_nodes < s.nodes and s.launcher != "srun":
         raise JobError(f"MIN_NODES={env['MIN_NODES']} is for LAUNCHER=srun: under torchrun, its agents restart the "
                        "workers themselves; unset MIN_NODES or LAUNCHER")
