@@ -36,18 +36,18 @@ XDIST   := -n $(WORKERS) --maxprocesses 8 --dist worksteal
 .PHONY: run test test-slurm test-fast check-docs mutants
 
 # The functions `make mutants` mutates (mutmut's names; ? stands for the ǁ around a class name).
-MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.contract.x_port_from_job_id__*' \
-           'ddpkit.contract.x_read_codes__*' 'ddpkit.contract.x_show_job__*' 'ddpkit.contract.x_scontrol_show_job__*' \
-           'ddpkit.contract.x_requeue_allowed__*' 'ddpkit.contract.x_requeue_job__*' \
+MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.job.contract.x_port_from_job_id__*' \
+           'ddpkit.job.contract.x_read_codes__*' 'ddpkit.job.contract.x_show_job__*' 'ddpkit.job.contract.x_scontrol_show_job__*' \
+           'ddpkit.job.contract.x_requeue_allowed__*' 'ddpkit.job.contract.x_requeue_job__*' \
            'ddpkit.launch.x_tasks_on_node__*' 'ddpkit.launch.x_gpus_granted__*' 'ddpkit.launch.x__int_var__*' \
            'ddpkit.launch.x_refuse_training_alone__*' 'ddpkit.launch.x_read_launch_env__*' \
            'ddpkit.launch.x_write_exit_file__*' 'ddpkit.launch.x_record_exit__*' 'ddpkit.launch.x_unfixable_exit__*' \
            'ddpkit.launch.x_exit_status__*' 'ddpkit.launch.x?StopSignals?*' \
-           'ddpkit.time_limit.*' 'ddpkit.jobs.x_continue_command__*' 'ddpkit.jobs.x_launcher_words__*' \
+           'ddpkit.run.time_limit.*' 'ddpkit.jobs.x_continue_command__*' 'ddpkit.jobs.x_launcher_words__*' \
            'mnist_ddp.x_epoch_shard__*' 'mnist_ddp.x_epoch_shifts__*' \
            'sweep.x_exit_state__*' 'sweep.x_run_state__*' 'sweep.x_collect__*' 'sweep.x_summary_table__*' \
            'sweep.x_read_records__*' \
-           'ddpkit.training_run.*' 'ddpkit.jobs.x_requeue_slurm_job__*' \
+           'ddpkit.run.training_run.*' \
            'ddpkit.distributed.x_pick_device__*' 'ddpkit.distributed.x_invisible_gpu_cause__*' \
            'ddpkit.distributed.x_busy_gpu_cause__*' 'ddpkit.distributed.x_unusable_gpu_message__*' \
            'ddpkit.distributed.x_amp_warning__*' 'ddpkit.distributed.x_cuda_version__*' \

@@ -5,7 +5,8 @@ with PyTorch DDP, launched by hand, by torchrun or by Slurm's srun.
 This file is the recipe, the part you adapt: options, data, model, schedule, training
 step, evaluation and the training loop. The machinery it stands on (launch environment,
 process group, staging, checkpoints, agreement and recovery, logging, exit codes) is the
-ddpkit/ package beside it; keep the two together.
+ddpkit/ package beside it, which this file reaches through one face, ddpkit/api.py (its
+`kit.` names); keep the two together.
 
 What it does
   * works out rank, local rank and world size from torchrun's variables, else from
@@ -76,22 +77,23 @@ Exit codes
 # while it loads, or while ranks wait for each other (a requeued job gets its time-limit
 # signal again), and would otherwise kill the process before anything can be saved. A Ctrl-C
 # while it loads ends the process at once, in one line.
+import sys
+
 try:
     from ddpkit import launch
 except ModuleNotFoundError as missing:  # this file was copied without the package beside it
     if missing.name != "ddpkit":
         raise
-    import sys
     print("mnist_ddp.py: error: cannot import ddpkit, the package this script runs on; keep the ddpkit/ folder beside "
           "mnist_ddp.py (copy both)", file=sys.stderr)
     sys.exit(2)
+except KeyboardInterrupt:  # a Ctrl-C before the stop signals are caught: nothing to save
+    print("mnist_ddp.py: error: interrupted (Ctrl-C) before training started; nothing was saved", file=sys.stderr)
+    sys.exit(130)
 STOP_SIGNALS = launch.StopSignals(loading=True) if __name__ == "__main__" else None
 
 import copy  # (after the stop signals, on purpose: see above)
-import dataclasses
 import math
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,12 +101,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import imagesets, jobs
-from ddpkit.distributed import Runtime, all_reduce, sync_buffers, wrap_ddp
-from ddpkit.imagesets import ImageSet, normalize
-from ddpkit.options import RunOptions, need, option
-from ddpkit.runlog import HParams
-from ddpkit.training_run import TrainingRun
+from ddpkit import api as kit
 
 # ----------------------------------------------------------------------------- options
 
@@ -119,98 +116,56 @@ SEED_LIMIT = 10**13
 class Recipe:
     """The options that set the course of training: a checkpoint resumes only a run with the
     same ones, except those marked changeable, which may differ with --allow-changes. The
-    machinery's options (data directories, devices, output, checkpoints) are ddpkit's
+    machinery's options (data directories, devices, output, checkpoints) are the kit's
     RunOptions; --help lists both."""
-    dataset: str = option("mnist-sample", "mnist-sample is the bundled 4,000/1,000-image MNIST sample (offline); folder "
-                          "is your own images in --data-dir (DIR/train/<class>/*, DIR/test/<class>/*)", "data",
-                          choices=DATASETS)
-    model: str = option("cnn", "network to train", "training", choices=MODELS)
-    epochs: int = option(8, "passes over the training set", "training", changeable=True)
-    global_batch: int = option(128, "images per optimiser step over all ranks, split evenly among them, so that 1 or 16 "
-                               "ranks train the same model", "training")
-    batch_size: int = option(0, "images per step per rank instead (weak scaling): the global batch grows with the ranks, "
-                             "and --lr should grow with it (docs/defaults.md) (0: --global-batch / ranks)", "training")
-    lr: float = option(3e-3, "peak learning rate of the one-cycle schedule (AdamW)", "training", changeable=True)
-    weight_decay: float = option(5e-4, "AdamW weight decay", "training", changeable=True)
-    dropout: float = option(0.0, "dropout before the classifier (cnn, mlp)", "training")
-    label_smoothing: float = option(0.1, "label smoothing of the training loss (the test loss stays plain "
-                                    "cross-entropy)", "training")
-    shift: float = option(0.25, "fraction of the training images moved by one pixel in a random direction, drawn afresh "
-                          "each epoch (0: no augmentation)", "training")
-    ema: float = option(0.99, "decay of an exponential moving average of the weights, which evaluation and model.pt use "
-                        "(0: off)", "training")
-    seed: int = option(0, "seed of weights and data order, the same on every rank", "training")
-    max_steps: int = option(0, "stop after this many optimiser steps in all (0: no limit); for smoke runs", "training",
-                            changeable=True)
+    dataset: str = kit.option("mnist-sample", "mnist-sample is the bundled 4,000/1,000-image MNIST sample (offline); folder "
+                              "is your own images in --data-dir (DIR/train/<class>/*, DIR/test/<class>/*)", "data",
+                              choices=DATASETS)
+    model: str = kit.option("cnn", "network to train", "training", choices=MODELS)
+    epochs: int = kit.option(8, "passes over the training set", "training", changeable=True)
+    global_batch: int = kit.option(128, "images per optimiser step over all ranks, split evenly among them, so that 1 or 16 "
+                                   "ranks train the same model", "training")
+    batch_size: int = kit.option(0, "images per step per rank instead (weak scaling): the global batch grows with the ranks, "
+                                 "and --lr should grow with it (docs/defaults.md) (0: --global-batch / ranks)", "training")
+    lr: float = kit.option(3e-3, "peak learning rate of the one-cycle schedule (AdamW)", "training", changeable=True)
+    weight_decay: float = kit.option(5e-4, "AdamW weight decay", "training", changeable=True)
+    dropout: float = kit.option(0.0, "dropout before the classifier (cnn, mlp)", "training")
+    label_smoothing: float = kit.option(0.1, "label smoothing of the training loss (the test loss stays plain "
+                                        "cross-entropy)", "training")
+    shift: float = kit.option(0.25, "fraction of the training images moved by one pixel in a random direction, drawn afresh "
+                              "each epoch (0: no augmentation)", "training")
+    ema: float = kit.option(0.99, "decay of an exponential moving average of the weights, which evaluation and model.pt use "
+                            "(0: off)", "training")
+    seed: int = kit.option(0, "seed of weights and data order, the same on every rank", "training")
+    max_steps: int = kit.option(0, "stop after this many optimiser steps in all (0: no limit); for smoke runs", "training",
+                                changeable=True)
 
     def check(self) -> None:
-        need(self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}")
-        need(self.global_batch >= 1, f"--global-batch must be at least 1, got {self.global_batch}")
-        need(self.batch_size >= 0, f"--batch-size must be 0 (from --global-batch) or more, got {self.batch_size}")
+        kit.need(self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}")
+        kit.need(self.global_batch >= 1, f"--global-batch must be at least 1, got {self.global_batch}")
+        kit.need(self.batch_size >= 0, f"--batch-size must be 0 (from --global-batch) or more, got {self.batch_size}")
         # Either one sets the batch; with both, one would be ignored without a word.
-        need(not (self.batch_size and self.global_batch != type(self).global_batch),  # (the class holds the default)
-             f"--batch-size {self.batch_size} and --global-batch {self.global_batch} both set the batch; pass one: "
-             "--global-batch for the images per step over all ranks, --batch-size for the images per rank")
-        need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
-        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-             f"--weight-decay must be 0 or more, got {self.weight_decay}")
-        need(0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}")
-        need(0 <= self.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
-        need(0 <= self.shift <= 1, f"--shift must be in [0, 1], got {self.shift}")
-        need(0 <= self.ema < 1, f"--ema must be in [0, 1) (0: off), got {self.ema}")
-        need(-SEED_LIMIT <= self.seed <= SEED_LIMIT, f"--seed must be from -{SEED_LIMIT} to {SEED_LIMIT}, got {self.seed}")
-        need(self.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {self.max_steps}")
-
-    def per_rank_batch(self, world_size: int) -> int:
-        """Each rank's share of the global batch (or --batch-size, when given)."""
-        if self.batch_size:
-            return self.batch_size
-        if self.global_batch % world_size:
-            # A run that has started resumes only with its own global batch: name the world
-            # sizes that split it (the 8 nearest this one), and another batch for a new run.
-            fits = [n for n in range(1, self.global_batch + 1) if self.global_batch % n == 0]
-            fits = [str(n) for n in sorted(sorted(fits, key=lambda n: abs(n - world_size))[:8])]
-            ranks = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
-            lower, higher = self.global_batch // world_size * world_size, -(-self.global_batch // world_size) * world_size
-            batches = " or ".join(str(n) for n in (lower, higher) if n)
-            raise launch.UsageError(
-                f"--global-batch {self.global_batch} does not split evenly among {world_size} ranks; run it on {ranks} "
-                f"ranks (they split it; a run resumes only with its own batch), or, for a new run (another --run-name), "
-                f"pass --global-batch {batches} (a multiple of {world_size}), or --batch-size N for N images per rank")
-        return self.global_batch // world_size
-
-    def check_batch_fits(self, images: int, world_size: int) -> None:
-        """A global batch larger than the training set would fill each step up with the epoch's
-        first images again (see epoch_shard): almost surely a typo, or a smaller folder than meant."""
-        batch = self.per_rank_batch(world_size) * world_size
-        twice = f"more than the {images} training images, so each step would train some of them more than once"
-        if self.batch_size:
-            need(batch <= images, f"--batch-size {self.batch_size} on {world_size} rank{'s' * (world_size > 1)} is a "
-                 f"global batch of {batch}, {twice}; pass --batch-size {images // world_size} or less")
-        need(batch <= images, f"--global-batch {batch} is {twice}; pass --global-batch "
-             f"{images // world_size * world_size} or less")
-
-
-# The HParams tab lists these first (a sweep lists what it varies first instead).
-SHOWN_FIRST = ("lr", "global_batch", "batch_size", "weight_decay", "epochs")
-
-
-def hparams(recipe: Recipe, options: RunOptions, world_size: int, first: tuple[str, ...] = SHOWN_FIRST) -> HParams:
-    """What TensorBoard's HParams tab shows of a run: the recipe, the global batch, the world size and --amp."""
-    batch = recipe.per_rank_batch(world_size)
-    values = {**dataclasses.asdict(recipe), "batch_size": batch, "global_batch": batch * world_size,
-              "world_size": world_size, "amp": options.amp}
-    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(Recipe) if "choices" in f.metadata}
-    return HParams(values, first, choices)
+        kit.need(not (self.batch_size and self.global_batch != type(self).global_batch),  # (the class holds the default)
+                 f"--batch-size {self.batch_size} and --global-batch {self.global_batch} both set the batch; pass one: "
+                 "--global-batch for the images per step over all ranks, --batch-size for the images per rank")
+        kit.need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
+        kit.need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                 f"--weight-decay must be 0 or more, got {self.weight_decay}")
+        kit.need(0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}")
+        kit.need(0 <= self.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        kit.need(0 <= self.shift <= 1, f"--shift must be in [0, 1], got {self.shift}")
+        kit.need(0 <= self.ema < 1, f"--ema must be in [0, 1) (0: off), got {self.ema}")
+        kit.need(-SEED_LIMIT <= self.seed <= SEED_LIMIT, f"--seed must be from -{SEED_LIMIT} to {SEED_LIMIT}, got {self.seed}")
+        kit.need(self.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {self.max_steps}")
 
 
 # ----------------------------------------------------------------------------- data
 
-def read_data(recipe: Recipe, options: RunOptions, data_dir: Path, job: jobs.Job) -> tuple[ImageSet, ImageSet]:
+def read_data(recipe: Recipe, options: kit.RunOptions, data_dir: Path, job: kit.Job) -> tuple[kit.ImageSet, kit.ImageSet]:
     """Both splits as uint8 images [N, C, H, W] with their labels and class names: held in
     memory on the device when they fit (the fast path), else streamed from their files by a
     DataLoader (--data-feed). Data of another kind: return two ImageSets from here."""
-    return imagesets.read_splits(recipe.dataset, data_dir, options.data_feed, job.rt, job.launch.local_world_size)
+    return kit.read_splits(recipe.dataset, data_dir, options.data_feed, job.rt, job.launch.local_world_size)
 
 
 def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor | None:
@@ -282,23 +237,56 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
         net.maxpool = nn.Identity()
         return net
     # A name added to MODELS before its branch here: say so, rather than train another network under its name.
-    raise launch.UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
-                            "that returns its nn.Module (docs/adapt.md)")
+    raise kit.UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
+                                "that returns its nn.Module (docs/adapt.md)")
 
 
-def build_training(recipe: Recipe, options: RunOptions, rt: Runtime, data: ImageSet):
-    """(the model to train, wrapped in DDP and compiled as asked; the plain model, for
-    checkpoints; its AdamW; the average of its weights that evaluation uses, with --ema)."""
+class WeightAverage:
+    """An exponential moving average of the weights (buffers copied as they are): it
+    evaluates well while the learning rate is still high. Its decay ramps up as
+    (1 + step) / (10 + step), so that the random initial weights soon fade out of it."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.model, self.decay = copy.deepcopy(model).requires_grad_(False), decay
+        # Loading a checkpoint copies into these tensors, so the lists stay valid.
+        self.mine, self.theirs = list(self.model.parameters()), list(model.parameters())
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        weight = 1 - min(self.decay, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.mine, self.theirs, weight)
+
+    @torch.no_grad()
+    def copy_buffers(self, model: nn.Module) -> None:
+        for mine, theirs in zip(self.model.buffers(), model.buffers(), strict=True):
+            mine.copy_(theirs)
+
+
+@dataclass
+class Training:
+    """The network and what trains it. One network: `model` is it, plain (checkpoints and
+    model.pt hold its weights); `wrapped` is the same network in DDP (and compiled, with
+    --compile), which the training step runs; `average` (--ema) averages its weights."""
+    model: nn.Module
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    average: WeightAverage | None
+
+    @property
+    def scored(self) -> nn.Module:
+        """The weights evaluation scores: the average's, with --ema."""
+        return self.average.model if self.average else self.model
+
+
+def build_training(recipe: Recipe, options: kit.RunOptions, rt: kit.Runtime, data: kit.ImageSet) -> Training:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    raw_model = build_model(recipe, data.shape, len(data.classes)).to(rt.device)
+    model = build_model(recipe, data.shape, len(data.classes)).to(rt.device)
     if options.channels_last:
-        raw_model = raw_model.to(memory_format=torch.channels_last)
-    model = wrap_ddp(raw_model, rt)
-    if options.compile:
-        model = torch.compile(model)
-    average = WeightAverage(raw_model, recipe.ema) if recipe.ema else None
+        model = model.to(memory_format=torch.channels_last)
+    wrapped = torch.compile(kit.wrap_ddp(model, rt)) if options.compile else kit.wrap_ddp(model, rt)
+    average = WeightAverage(model, recipe.ema) if recipe.ema else None
     torch.manual_seed(recipe.seed + rt.rank)  # dropout differs per rank, as its data does
-    return model, raw_model, build_optimizer(recipe, raw_model), average
+    return Training(model, wrapped, build_optimizer(recipe, model), average)
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
@@ -339,41 +327,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, x:
     return loss.detach()
 
 
-def check_step(device: torch.device) -> tuple[str, Callable[[], torch.Tensor]]:
-    """--check's fixed piece of work, which every rank times on its own device: one training
-    step of the default model on a default global batch of synthetic MNIST-sized images (the
-    same work on every rank and for any world size). Returns its words and the step."""
-    recipe, shape, classes = Recipe(), (1, 28, 28), 10
-    torch.manual_seed(recipe.seed)
-    model = build_model(recipe, shape, classes).to(device)
-    optimizer = build_optimizer(recipe, model)
-    x = torch.randn(recipe.global_batch, *shape, device=device)
-    y = torch.randint(classes, (recipe.global_batch,), device=device)
-    what = f"a training step of the default model ({recipe.model}, {recipe.global_batch} images of 28 x 28)"
-    return what, lambda: train_step(model, optimizer, recipe.lr, x, y, label_smoothing=recipe.label_smoothing)
-
-
-class WeightAverage:
-    """An exponential moving average of the weights (buffers copied as they are): it
-    evaluates well while the learning rate is still high. Its decay ramps up as
-    (1 + step) / (10 + step), so that the random initial weights soon fade out of it."""
-
-    def __init__(self, model: nn.Module, decay: float):
-        self.model, self.decay = copy.deepcopy(model).requires_grad_(False), decay
-        # Loading a checkpoint copies into these tensors, so the lists stay valid.
-        self.mine, self.theirs = list(self.model.parameters()), list(model.parameters())
-
-    @torch.no_grad()
-    def update(self, step: int) -> None:
-        weight = 1 - min(self.decay, (1 + step) / (10 + step))
-        torch._foreach_lerp_(self.mine, self.theirs, weight)
-
-    @torch.no_grad()
-    def copy_buffers(self, model: nn.Module) -> None:
-        for mine, theirs in zip(self.model.buffers(), model.buffers(), strict=True):
-            mine.copy_(theirs)
-
-
 @dataclass(frozen=True)
 class Evaluation:
     metrics: dict               # {name: mean over the test images}: "loss", "accuracy" and any added in evaluate
@@ -383,8 +336,8 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime, batch_size: int = 200,
-             keep: int = 32) -> Evaluation:
+def evaluate(model: nn.Module, test_set: kit.ImageSet, options: kit.RunOptions, rt: kit.Runtime,
+             batch_size: int = 200) -> Evaluation:
     """Loss, accuracy (and any metric added to `sums`) and confusion matrix over the whole test set.
 
     Each rank takes its own unpadded strided shard and runs the unwrapped model (no
@@ -393,59 +346,47 @@ def evaluate(model: nn.Module, split: ImageSet, options: RunOptions, rt: Runtime
     Batches of 200 keep the activations in the CPU's caches: 10,000 test images took 0.14 s
     on the benchmark's 2 cores, against 0.32 s in batches of 1,000 (docs/benchmark.md)."""
     model.eval()
-    n = len(split.classes)
-    mine = torch.arange(rt.rank, len(split), rt.world_size, device=rt.device)
+    n = len(test_set.classes)
+    mine = torch.arange(rt.rank, len(test_set), rt.world_size, device=rt.device)
     # Sums over the test images, each reported as its mean: test_<name> in the epoch's line
     # and metrics.jsonl, test/<name> in TensorBoard. A metric of your own is a name here and
     # a line in the loop that adds to it.
     sums = {name: torch.zeros((), dtype=torch.float64, device=rt.device) for name in ("loss", "accuracy")}
     counted = torch.zeros((), dtype=torch.float64, device=rt.device)  # test images
     confusion = torch.zeros(n * n, dtype=torch.int64, device=rt.device)
-    shown, shown_pred, wrong, wrong_pred = [], [], [], []
+    examples = kit.Examples(keep=32 if rt.is_main else 0)
     chunks = [mine[start: start + batch_size] for start in range(0, len(mine), batch_size)]
-    for idx, (images, y) in zip(chunks, split.batches(chunks, rt.device, options.data_workers), strict=True):
+    for idx, (images, y) in zip(chunks, test_set.batches(chunks, rt.device, options.data_workers), strict=True):
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=options.amp):
-            logits = model(normalize(images, split.mean, split.std, options.channels_last))
+            logits = model(kit.normalize(images, test_set.mean, test_set.std, options.channels_last))
         pred = logits.argmax(1)
         sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["accuracy"] += (pred == y).sum()
         counted += len(idx)
         confusion += torch.bincount(y * n + pred, minlength=n * n)
-        if rt.is_main and not shown:
-            shown, shown_pred = [idx[:keep]], [pred[:keep]]
-        if rt.is_main and sum(map(len, wrong)) < keep:
-            miss = pred != y
-            wrong.append(idx[miss])
-            wrong_pred.append(pred[miss])
+        examples.add(idx, pred, y)
     model.train()
-    totals = all_reduce(torch.stack([counted, *sums.values()]), "the all-reduce of the test figures").tolist()
-    all_reduce(confusion, "the all-reduce of the test figures")
+    totals = kit.all_reduce(torch.stack([counted, *sums.values()]), "the all-reduce of the test figures").tolist()
+    kit.all_reduce(confusion, "the all-reduce of the test figures")
     count, metrics = totals[0], {name: total / totals[0] for name, total in zip(sums, totals[1:], strict=True)}
     confusion = confusion.view(n, n).cpu()
-    examples = {}
-    for name, indices, predictions in (("predictions", shown, shown_pred), ("misclassified", wrong, wrong_pred)):
-        if indices:
-            chosen = torch.cat(indices)[:keep].cpu()
-            examples[name] = (split.pictures(chosen), torch.cat(predictions)[:keep].cpu(), split.labels[chosen].cpu())
-    return Evaluation(metrics, int(count), confusion, examples)
+    return Evaluation(metrics, int(count), confusion, examples.shown(test_set))
 
 
 # ----------------------------------------------------------------------------- the training loop
 
-def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime, model: nn.Module,
-          raw_model: nn.Module, optimizer: torch.optim.Optimizer, average: WeightAverage | None, train_set: ImageSet,
-          test_set: ImageSet) -> None:
+def train(run: kit.TrainingRun, job: kit.Job, training: Training, train_set: kit.ImageSet, test_set: kit.ImageSet) -> None:
     """Each epoch: this rank's shard in batches, one optimiser step each, then an evaluation
     of the (averaged) weights and a checkpoint. Every rank runs every line; `run` holds what
-    each event costs (ddpkit/training_run.py). A stop ends the loop with Stopped, and the job
+    each event costs (ddpkit/run/training_run.py). A stop ends the loop with kit.Stopped, and the job
     runner requeues the Slurm job or prints the command that continues the run."""
-    eval_model = average.model if average else raw_model
+    recipe, options, rt, average = job.recipe, job.options, job.rt, training.average
 
     def evaluate_now() -> Evaluation:
-        sync_buffers(raw_model)  # every rank scores with rank 0's BatchNorm statistics
+        kit.sync_buffers(training.model)  # every rank scores with rank 0's BatchNorm statistics
         if average:
-            average.copy_buffers(raw_model)
-        return evaluate(eval_model, test_set, options, rt)
+            average.copy_buffers(training.model)
+        return evaluate(training.scored, test_set, options, rt)
 
     while not run.done():
         epoch = run.epoch_begins()  # (a resumed epoch goes on at the step it stopped at)
@@ -456,52 +397,50 @@ def train(run: TrainingRun, *, recipe: Recipe, options: RunOptions, rt: Runtime,
         for images, y in train_set.batches(run.batches_left(shard), rt.device, options.data_workers, moves=shifts):
             if run.done():  # the --max-steps cap, in mid-epoch
                 break
-            x = normalize(images, train_set.mean, train_set.std, options.channels_last)
+            x = kit.normalize(images, train_set.mean, train_set.std, options.channels_last)
             lr = lr_at(*run.lr_position(), recipe.lr)  # (the schedule's step, of its steps in all)
-            loss = train_step(model, optimizer, lr, x, y, options.amp, recipe.label_smoothing)
+            loss = train_step(training.wrapped, training.optimizer, lr, x, y, options.amp, recipe.label_smoothing)
             if average:
                 average.update(run.progress.step)
             run.step_done(loss, len(y))  # counted and logged; the ranks agree on it while the next step runs
             if run.checkpoint_due():  # every --ckpt-every steps or --ckpt-minutes, and before a stop
                 saved = run.checkpoint()
                 if run.stop_already_agreed():  # a signal, or the job's time limit near, on any rank: all stop here
-                    raise launch.Stopped(saved)
+                    raise kit.Stopped(saved)
         if run.evaluation_due():  # (once per step: not again after a resume from a checkpoint of this step)
             run.evaluate(evaluate_now)
         run.epoch_done()  # the next epoch starts (not at the --max-steps cap, in mid-epoch)
         saved = run.checkpoint()
         run.estimate_time_left()  # (after the first epoch) whether the run fits in the job's time
         if run.all_ranks_vote_on_stop() and not run.done():  # a stop asked for during the evaluation; finishing is quicker
-            raise launch.Stopped(saved)
-    run.finish(evaluate_now, eval_model)
+            raise kit.Stopped(saved)
+    run.finish(evaluate_now, training.scored)
 
 
 # ----------------------------------------------------------------------------- main
 
-def prepare_and_train(job: jobs.Job) -> None:
+def prepare_and_train(job: kit.Job) -> None:
     """This process's part of the job: data, model, the run (resumed where it stopped), the loop."""
     recipe, options, rt = job.recipe, job.options, job.rt
     with job.startup.phase("data"):  # (for the `ready in` line at the first step)
-        data_dir = imagesets.stage(options, recipe.dataset, rt)
+        data_dir = kit.stage_data(options, recipe.dataset, rt)
         if options.download_only:
             print(f"[rank {rt.rank}] {recipe.dataset} is ready in {data_dir}")
             return
-        recipe.per_rank_batch(rt.world_size)  # (a global batch that does not split stops here, before the data)
+        kit.split_batch(recipe.global_batch, rt.world_size, recipe.batch_size)  # (one that does not split stops here)
         train_set, test_set = read_data(recipe, options, data_dir, job)
-        recipe.check_batch_fits(len(train_set), rt.world_size)  # (before any step, whichever feed reads the data)
-    model, raw_model, optimizer, average = build_training(recipe, options, rt, train_set)
-    run = job.start_run({"model": raw_model, "optimizer": optimizer, "average": average.model if average else None},
-                        images=len(train_set), split=recipe.per_rank_batch,
-                        epochs=recipe.epochs, max_steps=recipe.max_steps, hparams=hparams(recipe, options, rt.world_size),
-                        classes=train_set.classes, shape=train_set.shape, on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
-    train(run, recipe=recipe, options=options, rt=rt, model=model, raw_model=raw_model, optimizer=optimizer,
-          average=average, train_set=train_set, test_set=test_set)
+    training = build_training(recipe, options, rt, train_set)
+    average = training.average.model if training.average else None
+    run = job.start_run({"model": training.model, "optimizer": training.optimizer, "average": average}, train_set,
+                        on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
+    train(run, job, training, train_set, test_set)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run this process's part of the job; returns the exit code (see the manual above)."""
-    return jobs.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS, check_step=check_step)
+    return kit.run_job(prepare_and_train, Recipe, argv, manual=__doc__, stop=STOP_SIGNALS,
+                       step_parts=kit.StepParts(build_model, build_optimizer, train_step))
 
 
 if __name__ == "__main__":
-    sys.exit(launch.exit_status(main()))
+    sys.exit(kit.exit_status(main()))

@@ -48,8 +48,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpkit.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, EXIT_USAGE, JobPaths
-from ddpkit.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
+from ddpkit.job.contract import EXIT_BUG, EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, EXIT_USAGE, JobPaths
+from ddpkit.job.sweeplines import PROG, SweepError, as_name, as_options, command, line_numbers, names_of, read_lines, varying
 
 HERE = Path(__file__).resolve().parent
 
@@ -97,13 +97,14 @@ def recipe_module():
 def declare_hparams(sweep_dir: Path, runs: list[list[str]]) -> None:
     """The sweep's HParams tab, before any run writes its own: what it varies comes first."""
     mnist_ddp = recipe_module()
-    from ddpkit.options import RunOptions
-    from ddpkit.runlog import declare_hparams as declare
+    from ddpkit.run.runlog import SHOWN_FIRST, HParams
+    from ddpkit.run.runlog import declare_hparams as declare
     varied = [name.replace("-", "_") for name in varying(runs)]
     varied += ["global_batch"] if "batch_size" in varied else []
-    names = mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values
-    first = tuple(name for name in varied if name in names) or mnist_ddp.SHOWN_FIRST
-    declare(sweep_dir, mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1, first))
+    recipe = mnist_ddp.Recipe()
+    names = HParams.of_run(recipe, batch_size=recipe.global_batch, world_size=1, amp=False).values
+    first = tuple(name for name in varied if name in names) or SHOWN_FIRST
+    declare(sweep_dir, HParams.of_run(recipe, batch_size=recipe.global_batch, world_size=1, amp=False, first=first))
 
 
 def check_lines(sweep_file: Path, runs: list[list[str]], sweep_dir: Path) -> None:
@@ -152,8 +153,14 @@ def frozen_lines(copy: Path) -> list[list[str]] | None:
 def ever_started(sweep_dir: Path) -> bool:
     """Whether a run of the sweep directory ever started (its directory holds run.json or an
     exit code), or `submit` handed the sweep to Slurm, whose tasks may still wait in the queue."""
-    return (sweep_dir / SUBMITTED).exists() or any((run_dir / name).exists() for run_dir in sweep_dir.iterdir()
-                                                   if run_dir.is_dir() for name in ("run.json", JobPaths.EXIT_CODE, JobPaths.JOB_DIRS))
+    return (sweep_dir / SUBMITTED).exists() or any((run_dir / "run.json").exists() or holds_job_files(run_dir)
+                                                   for run_dir in sweep_dir.iterdir() if run_dir.is_dir())
+
+
+def holds_job_files(run_dir: Path) -> bool:
+    """Whether a run's directory holds the run's exit code or the folders of its jobs."""
+    paths = JobPaths(str(run_dir))
+    return os.path.exists(paths.exit_code) or os.path.exists(paths.job_dirs)
 
 
 def prepare(sweep_file: Path) -> tuple[list[list[str]], Path]:
@@ -228,7 +235,7 @@ def run_locally(sweep_file: Path) -> int:
         # For summary, as run_training.sbatch writes it: also when mnist_ddp.py stopped before
         # it made the run's directory (a bad option, exit 2).
         (sweep_dir / name).mkdir(exist_ok=True)
-        (sweep_dir / name / JobPaths.EXIT_CODE).write_text(f"{code}\n")
+        Path(JobPaths(str(sweep_dir / name)).exit_code).write_text(f"{code}\n")
         if code:
             failed.append(f"{name} (exit {code})")
         if interrupted:
@@ -266,7 +273,7 @@ def exit_state(code: int) -> str:
 def run_state(run_dir: Path) -> str:
     if not run_dir.is_dir():
         return "pending"
-    code_file = run_dir / JobPaths.EXIT_CODE
+    code_file = Path(JobPaths(str(run_dir)).exit_code)
     if code_file.exists():
         code = int(code_file.read_text().strip() or 1)
         return exit_state(code)
@@ -305,7 +312,7 @@ def collect(sweep_dir: Path) -> list[dict]:
     runs = read_lines(sweep_file, allow_run_dirs=True) if sweep_file.exists() else []
     varied = varying(runs) if runs else []
     names = names_of(runs) if runs else sorted(p.name for p in sweep_dir.iterdir() if (p / "metrics.jsonl").exists()
-                                               or (p / JobPaths.EXIT_CODE).exists() or (p / JobPaths.JOB_DIRS).exists())
+                                               or holds_job_files(p))
     rows = []
     for i, name in enumerate(names):
         run_dir = sweep_dir / name

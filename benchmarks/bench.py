@@ -37,9 +37,9 @@ global batch's growth; it writes the test accuracy of each to OUT/ranks.{json,md
 
 With --step-times it trains 1 epoch under torchrun on 2 ranks of one thread, the default global
 batch, with each rank's own time a step measured and agreed on (the straggler figures) and
-without (turned off by the testing aid AID_NO_STEP_TIMES=1 of tests/aids/training_aids.py,
-on both ways' PYTHONPATH), PAIRS times each, alternately, in one run; it writes the median
-training images/s of each and the cost a step to OUT/step-times.{json,md}.
+without (each rank's timer given no model to watch, in a worker of this file that runs
+mnist_ddp.py's main for both ways), PAIRS times each, alternately, in one run; it writes the
+median training images/s of each and the cost a step to OUT/step-times.{json,md}.
 
 With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --amp
 --channels-last, and --compile, each to the end, and reports time to the target,
@@ -102,7 +102,7 @@ def reference(args) -> None:
             return F.log_softmax(self.fc2(x), dim=1)
 
     torch.manual_seed(0)
-    from ddpkit import staging
+    from ddpkit.data import staging
     cls = {"fashion-mnist": datasets.FashionMNIST, "mnist-sample": staging.fetcher(staging.MNIST_SAMPLE)}[args.dataset]
     train = cls(args.data_dir, train=True, transform=transforms.ToTensor())
     test = cls(args.data_dir, train=False, transform=transforms.ToTensor())
@@ -166,15 +166,17 @@ def script_env(threads: int) -> dict:
     return {**env, "OMP_NUM_THREADS": str(threads)}
 
 
-def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int, env: dict | None = None) -> list[dict]:
-    """Run mnist_ddp.py (under torchrun when nproc > 1), with `env` added to its environment;
-    return its metrics.jsonl records, each with since_start_s, the seconds from process
-    start to that epoch's line."""
+def run_script(out: Path, name: str, args: list[str], nproc: int, threads: int, worker: str = "") -> list[dict]:
+    """Run mnist_ddp.py (under torchrun when nproc > 1), or this file's `worker`, which runs its
+    main in each rank's process (the options in --json); return its metrics.jsonl records,
+    each with since_start_s, the seconds from process start to that epoch's line."""
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, str(SCRIPT)] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT)]
-    seen = run_timed([*cmd, *args, "--run-dir", str(run_dir)], out / f"{name}.log", {**script_env(threads), **(env or {})})
+    args = [*args, "--run-dir", str(run_dir)]
+    script = [str(Path(__file__).resolve()), worker, "--json", json.dumps(args)] if worker else [str(SCRIPT), *args]
+    cmd = [sys.executable, *script] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
+    seen = run_timed(cmd, out / f"{name}.log", script_env(threads))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in records:
         r["since_start_s"] = seen.get(r["epoch"])
@@ -295,6 +297,8 @@ def main() -> None:
         return gpu_worker(args)
     if args.worker == "paired":
         return paired_worker(args)
+    if args.worker in ("step-times-with", "step-times-without"):
+        return step_times_worker(args)
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -432,19 +436,28 @@ def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> 
 # ----------------------------------------------------------------------------- the straggler figures' cost
 
 PAIRS = 4
-# The product has no switch for them: the "without" runs turn them off with the tests' aid,
-# and both ways run with the aids imported, so that they differ in AID_NO_STEP_TIMES alone.
-AIDS = ROOT / "tests" / "aids"
+
+
+def step_times_worker(args) -> None:
+    """One rank of a --step-times run: mnist_ddp.py's main in this process. The product has no
+    switch for the straggler figures: the "without" way's ranks time no part of a step (their
+    StepTimer watches no model), so none are gathered; both ways run here, so that they differ
+    in that alone."""
+    sys.path.insert(0, str(ROOT))
+    import mnist_ddp
+    from ddpkit.run import stragglers, training_run
+    if args.worker == "step-times-without":
+        training_run.StepTimer = lambda model: stragglers.StepTimer(None)
+    sys.exit(mnist_ddp.main(json.loads(args.json)))
 
 
 def step_times_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> None:
     """2 ranks x 1 thread, with and without the straggler figures, alternately; each run's
     images/s (its epoch's training images over its training time)."""
     speeds = {"with": [], "without": []}
-    aided = {"PYTHONPATH": os.pathsep.join(filter(None, (str(AIDS), os.environ.get("PYTHONPATH"))))}
     for pair in range(1 if quick else PAIRS):
-        for way, env in (("with", aided), ("without", {**aided, "AID_NO_STEP_TIMES": "1"})):
-            records = run_script(out, f"step-times-{way}-{pair}", common, 2, 1, env)
+        for way in speeds:
+            records = run_script(out, f"step-times-{way}-{pair}", common, 2, 1, worker=f"step-times-{way}")
             speeds[way].append(records[-1]["images_per_s"])
     batch = 128  # (the default global batch: images a step over both ranks)
     median = {way: statistics.median(v) for way, v in speeds.items()}

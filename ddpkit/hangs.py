@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.files import replace_json
+
 KIT = Path(__file__).resolve().parent   # ddpkit/
 PYTHON_LIBRARY = Path(sysconfig.get_paths()["stdlib"]).resolve()
 SLACK = 2.0     # seconds between hosts' clocks that a summary's time may be off by
@@ -49,32 +51,40 @@ TICK = 1.0      # seconds between the watchdog's looks
 TORCH_WAITS = re.compile(r"torch/(distributed|nn/parallel|autograd)/")
 TORCH_BACKWARD = re.compile(r"torch/autograd/")  # (where backward() hands the graph to autograd's engine)
 
-# What this process's main thread does that the other ranks may wait on: (what, since, kind),
-# kind one of WAITS (a labelled collective: it waits), STEP (a training step: it waits once
-# inside torch's collectives or backward) and OWN (its own work, a save or an evaluation,
-# which answers only when another rank already waits), or None.
-WAITS, STEP, OWN = "waits", "step", "own"
-STARTING = -1  # (as _step) this start of the run has not watched a training step yet: it starts up
-_doing: list = [None]
-_step = [STARTING]  # the steps this rank has finished, for the report
+WAITS, STEP, OWN = "waits", "step", "own"  # the kinds of what the main thread does (MainThread.doing)
+STARTING = -1  # (as MainThread.step) this start of the run has not watched a training step yet: it starts up
+
+
+@dataclass
+class MainThread:
+    """What this process's main thread does that the other ranks may wait on, which the
+    watchdog's thread reads. `doing`: (what, since, kind), kind one of WAITS (a labelled
+    collective: it waits), STEP (a training step: it waits once inside torch's collectives or
+    backward) and OWN (its own work, a save or an evaluation, which answers only when another
+    rank already waits), or None. `step`: the steps this rank has finished, for the report."""
+    doing: tuple[str, float, str] | None = None
+    step: int = STARTING
+
+
+main_thread = MainThread()  # (one a process: its main thread writes it through the functions below)
 
 
 def doing(what: str | None, kind: str = WAITS) -> object:
     """From now on, the main thread does `what` (None: nothing the others wait on). Returns
     what it did before, for `restore`."""
-    before = _doing[0]
-    _doing[0] = (what, time.monotonic(), kind) if what else None
+    before = main_thread.doing
+    main_thread.doing = (what, time.monotonic(), kind) if what else None
     return before
 
 
 def restore(before: object) -> None:
-    _doing[0] = before
+    main_thread.doing = before
 
 
 def next_step(finished: int, label: str) -> None:
     """`finished` steps are done; the next one, whose gradient all-reduce (`label`) waits on
     every rank, is watched from now on."""
-    _step[0] = finished
+    main_thread.step = finished
     doing(label, STEP)
 
 
@@ -319,7 +329,7 @@ class HangWatch:
         """Once the run finished a step after the one a verdict named ranks at, the wait ended:
         the ranks it named are no longer those the others wait for. (Not when the wait merely
         ends: a lost peer's error ends it too, and then the verdict stands.)"""
-        if self.named_after is not None and _step[0] > self.named_after:
+        if self.named_after is not None and main_thread.step > self.named_after:
             self.named_after = None
             self.resolved()
 
@@ -328,7 +338,7 @@ class HangWatch:
             try:
                 self.arm_faulthandler()
                 self.forget_a_resolved_hang()
-                now = _doing[0]
+                now = main_thread.doing
                 if now is None:
                     continue
                 what, since, kind = now
@@ -366,14 +376,14 @@ class HangWatch:
         doing_now = (f"waits in {waits}" if waits else f"is busy {what}" if kind == OWN else
                      f"runs code outside the recipe, ddpkit and torch, before {what}" if running_other else
                      f"has not reached {what}")
-        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), {when(_step[0])}: {doing_now} for "
+        self.file.write(f"rank {self.rank} on {self.host} (pid {os.getpid()}), {when(main_thread.step)}: {doing_now} for "
                         f"{waited:.0f} s, at {where}\n")
         self.file.flush()
         faulthandler.dump_traceback(self.file, all_threads=True)
         self.file.write("\n")
         self.file.flush()
-        write_json(self.folder / f"rank-{self.rank}.json",
-                   {"rank": self.rank, "host": self.host, "step": _step[0], "waiting": waits, "where": where,
+        replace_json(self.folder / f"rank-{self.rank}.json",
+                   {"rank": self.rank, "host": self.host, "step": main_thread.step, "waiting": waits, "where": where,
                     "busy": what if kind == OWN else "", "time": time.time()})
         if not waits:
             return
@@ -388,7 +398,7 @@ class HangWatch:
                 break
             self.arm_faulthandler()
         for peer in silent:  # a rank of this host that wrote nothing: look at it from outside
-            write_json(self.folder / f"rank-{peer.rank}.json",
+            replace_json(self.folder / f"rank-{peer.rank}.json",
                        {"rank": peer.rank, "host": peer.host, "outside": self.outside_view(peer), "time": time.time()})
         if self.stopped.wait(TICK):
             return
@@ -401,7 +411,7 @@ class HangWatch:
             print(f"{line}; --dist-timeout ends the wait", file=self.stream, flush=True)
             if behind := not_waiting(summaries, self.peers):
                 self.named(behind)
-                self.named_after = _step[0]
+                self.named_after = main_thread.step
 
     def stacks_of(self, peer: Peer) -> str:
         """A peer's stacks as faulthandler wrote them, or ""."""
@@ -428,12 +438,6 @@ class HangWatch:
                 if summary["time"] >= began:
                     summaries[int(summary["rank"])] = summary
         return summaries
-
-
-def write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value))
-    os.replace(temporary, path)
 
 
 def remove_empty(hangs: Path, keep: Path) -> None:

@@ -6,6 +6,7 @@ command that continues), diverged, a lost peer, a problem the user fixes, a bug.
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import signal
@@ -19,31 +20,7 @@ from pathlib import Path
 import torch
 
 from ddpkit import hangs
-from ddpkit.checkpoints import (
-    Progress,
-    agree_on_checkpoint,
-    checkpoint_path,
-    remove_stale_temporaries,
-    resume_from,
-    run_is_done,
-    set_aside_checkpoints,
-)
-from ddpkit.contract import (
-    CKPT_DIR,
-    EXIT_BUG,
-    EXIT_DIVERGED,
-    EXIT_LOST_PEER,
-    EXIT_NODE_FAULT,
-    EXIT_STOPPED,
-    EXIT_USAGE,
-    FIRST_START_ONLY,
-    JobEnv,
-    JobPaths,
-    chains_left,
-    hung_text,
-    requeue_job,
-    resubmit_start,
-)
+from ddpkit.data.imagesets import ImageSet, image_shape
 from ddpkit.distributed import (
     Runtime,
     barrier,
@@ -53,8 +30,23 @@ from ddpkit.distributed import (
     nondeterministic_operation,
     teardown_distributed,
 )
-from ddpkit.doctor import StepMaker, check_job
 from ddpkit.hangs import KIT, HangWatch, Peer, default_hang_after
+from ddpkit.job.contract import (
+    CKPT_DIR,
+    EXIT_BUG,
+    EXIT_DIVERGED,
+    EXIT_LOST_PEER,
+    EXIT_NODE_FAULT,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    FIRST_START_ONLY,
+    JobEnv,
+    chains_left,
+    hung_text,
+    requeue_job,
+    resubmit_start,
+)
+from ddpkit.job.sweeplines import RUN_DIR_OPTIONS
 from ddpkit.launch import (
     INTERRUPTED,
     PROG,
@@ -74,10 +66,21 @@ from ddpkit.launch import (
     write_exit_file,
 )
 from ddpkit.options import RunOptions, changeable, flag, option_args, parse_options
-from ddpkit.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
-from ddpkit.rundir import RunClaim, agree_on_run_dir, claim_run_dir
-from ddpkit.runlog import (
+from ddpkit.run.checkpoints import (
+    Progress,
+    agree_on_checkpoint,
+    checkpoint_path,
+    remove_stale_temporaries,
+    resume_from,
+    run_is_done,
+    set_aside_checkpoints,
+)
+from ddpkit.run.doctor import StepParts, check_job, recipe_step
+from ddpkit.run.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
+from ddpkit.run.rundir import RunClaim, agree_on_run_dir, claim_run_dir
+from ddpkit.run.runlog import (
     HParams,
+    LogPlan,
     NullLogger,
     RunLogger,
     describe_environment,
@@ -85,16 +88,18 @@ from ddpkit.runlog import (
     read_metrics_tolerantly,
     usable_cpus,
 )
-from ddpkit.time_limit import TimeLimit, read_job_times
-from ddpkit.trackers import NoTracker, Start, Tracker
-from ddpkit.training_run import RunPlan, RunState, Surroundings, TrainingRun, plan_run
-
-
-def requeue_slurm_job(launch: Launch) -> bool:
-    """Ask Slurm to requeue this job, if it may (the contract's requeue_job, the supervisor's
-    too); the job's processes die with this call. Any failure means 'not requeued'."""
-    return requeue_job(launch.job_id)
-
+from ddpkit.run.time_limit import TimeLimit, read_job_times
+from ddpkit.run.trackers import NoTracker, Start, Tracker
+from ddpkit.run.training_run import (
+    RunPlan,
+    RunState,
+    Surroundings,
+    TrainingRun,
+    check_batch_fits,
+    plan_run,
+    split_batch,
+    world_sizes,
+)
 
 # What a command that continues a run leaves out: the options of its first start alone
 # (contract.FIRST_START_ONLY: where it started from, the testing aid that would stop the run
@@ -103,7 +108,7 @@ def requeue_slurm_job(launch: Launch) -> bool:
 # refuses these options after its name). The data directories stay: an option given after
 # the batch file's name wins over DATA_DIR.
 NOT_CONTINUED = tuple(name[2:].replace("-", "_") for name in FIRST_START_ONLY) + ("download_only", "profile")
-SET_BY_BATCH_FILE = ("log_dir", "run_name", "run_dir")
+SET_BY_BATCH_FILE = tuple(name[2:].replace("-", "_") for name in RUN_DIR_OPTIONS)
 
 
 def continue_command(recipe, options: RunOptions, launch: Launch, run_dir: Path, **changes: str) -> str:
@@ -150,19 +155,7 @@ def record_continue_command(launch: Launch, command: str) -> None:
     """Under run_training.sbatch, leave the command that continues this run where the batch
     file prints it after its END line, even when every rank was killed."""
     if resubmit_start():
-        write_exit_file(launch, JobPaths.CONTINUE_COMMAND, command + "\n")
-
-
-def world_sizes(split: Callable[[int], int], most: int) -> list[int]:
-    """The world sizes up to `most` that split this run's global batch (of `most` ranks) into
-    equal shares: a run goes on among them with the same batches. (Under --batch-size per
-    rank, another world size changes the global batch: `most` alone.)"""
-    fits, global_batch = [], split(most) * most
-    for ranks in range(1, most + 1):
-        with contextlib.suppress(UsageError):
-            if split(ranks) * ranks == global_batch:
-                fits.append(ranks)
-    return fits
+        write_exit_file(launch, launch.paths.continue_command, command + "\n")
 
 
 @dataclasses.dataclass
@@ -189,23 +182,23 @@ class Job:
     def continue_command(self, **changes: str) -> str:
         return continue_command(self.recipe, self.options, self.launch, self.run_dir, **changes)
 
-    def start_run(self, state: Mapping[str, object], *, images: int, split: Callable[[int], int], epochs: int,
-                  max_steps: int, hparams: HParams, classes: tuple[str, ...],
-                  on_divergence: Mapping[str, str], shape: tuple[int, int, int] | None = None) -> TrainingRun:
+    def start_run(self, state: Mapping[str, object], train_set: ImageSet, on_divergence: Mapping[str, str]) -> TrainingRun:
         """Claim the run's directory, resume from its newest checkpoint (into `state`: the
-        recipe's model, optimizer, ... by name) and start its log. `images` is the training
-        set's size; `split(n)` each of n ranks' share of a step's images (raising UsageError
-        when they cannot split them), the recipe's rule. `epochs` and `max_steps`
-        are the recipe's --epochs and --max-steps; `on_divergence` the options that the
-        advice after a divergence changes (e.g. {"lr": "0.001"}); `shape` the images' (C, H, W),
-        which the checkpoints record and a resume compares. Raises AlreadyComplete
-        when the run has nothing left to do."""
-        rt = self.rt
+        recipe's model, optimizer, ... by name) and start its log. The run trains `train_set`
+        (its size, classes and image shape, which the checkpoints record and a resume
+        compares) as the recipe's --global-batch (or --batch-size a rank), --epochs and
+        --max-steps say; `on_divergence` holds the options that the advice after a divergence
+        changes (e.g. {"lr": "0.001"}). Raises AlreadyComplete when the run has nothing left to do."""
+        recipe, rt = self.recipe, self.rt
+        images, classes, shape = len(train_set), train_set.classes, train_set.shape
+        epochs, max_steps = recipe.epochs, recipe.max_steps
+        check_batch_fits(recipe.global_batch, recipe.batch_size, images, rt.world_size)  # (before any step, whichever feed)
+        batch_size = split_batch(recipe.global_batch, rt.world_size, recipe.batch_size)
+        hparams = HParams.of_run(recipe, batch_size=batch_size, world_size=rt.world_size, amp=self.options.amp)
         self.on_divergence = on_divergence
         self.claim_run_dir()
         if self.hang_watch and self.claim:  # (before, another run of this name may have used them)
             self.hang_watch.tidy_earlier_attempts()
-        batch_size = split(rt.world_size)
         ckpt_path, changed, loss_sums = self.resume(state, global_batch=batch_size * rt.world_size, epochs=epochs,
                                                     max_steps=max_steps, classes=classes, shape=shape)
         progress = self.progress
@@ -222,8 +215,9 @@ class Job:
             self.start_log(saved_options, hparams, hosts, classes, ckpt_path, changed)
             # (for the job's supervisor, which goes on with fewer ranks after it lost nodes, and
             # pins a rank's failure on its node)
-            write_exit_file(self.launch, JobPaths.WORLD_SIZES, " ".join(map(str, world_sizes(split, rt.world_size))) + "\n")
-            write_exit_file(self.launch, JobPaths.NODES, "".join(f"{peer.node}\n" for peer in peers))
+            sizes = world_sizes(recipe.global_batch, recipe.batch_size, rt.world_size)
+            write_exit_file(self.launch, self.launch.paths.world_sizes, " ".join(map(str, sizes)) + "\n")
+            write_exit_file(self.launch, self.launch.paths.nodes, "".join(f"{peer.node}\n" for peer in peers))
         self.describe_run(plan, ckpt_path)
         around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
                               startup=self.startup if rt.is_main else None,
@@ -298,10 +292,10 @@ class Job:
             roots = (Path(sys.argv[0]).resolve().parent, KIT)  # (the recipe's folder, ddpkit/)
 
             def named(behind: list[Peer]) -> None:
-                write_exit_file(self.launch, JobPaths.HUNG, hung_text([(peer.rank, peer.node) for peer in behind]))
+                write_exit_file(self.launch, self.launch.paths.hung, hung_text([(peer.rank, peer.node) for peer in behind]))
 
             def resolved() -> None:
-                remove_exit_file(self.launch, JobPaths.HUNG)
+                remove_exit_file(self.launch, self.launch.paths.hung)
 
             self.hang_watch = HangWatch(rank=self.rt.rank, peers=peers, folder=self.run_dir / "hangs" / attempt_started,
                                         hang_after=hang_after, roots=roots, named=named, resolved=resolved).start()
@@ -318,10 +312,11 @@ class Job:
                   f"no longer continues, in {run_dir / CKPT_DIR / 'superseded'}", file=sys.stderr, flush=True)
         note = f"resumed with changed options (--allow-changes): {changed}" if changed else ""
         options = self.options
-        self.logger = RunLogger(run_dir, saved_options, hparams, describe_environment(self.rt, self.launch, hosts),
-                                step, classes, options.log_every, options.progress_every, note=note,
-                                tracker=self.tracker(hparams.values, changed=changed) if options.tracker != "none"
-                                else NoTracker())
+        plan = LogPlan(options=saved_options, hparams=hparams, environment=describe_environment(self.rt, self.launch, hosts),
+                       classes=classes, resumed_step=step, log_every=options.log_every,
+                       progress_every=options.progress_every, note=note)
+        tracker = self.tracker(hparams.values, changed=changed) if options.tracker != "none" else NoTracker()
+        self.logger = RunLogger(run_dir, plan, tracker=tracker)
         record_continue_command(self.launch, self.continue_command())
 
     def tracker(self, hparams: dict, recorded: bool = True, changed: str = "") -> Tracker:
@@ -394,7 +389,7 @@ class Job:
             if why in ("SIG" + requeue_signal, "the time limit came near"):
                 left = chains_left(os.environ)
                 with contextlib.suppress(OSError):  # (else the supervisor prints the continue line)
-                    write_exit_file(self.launch, JobPaths.REQUEUE, f"{why}\n")
+                    write_exit_file(self.launch, self.launch.paths.requeue, f"{why}\n")
                     chains = left > 0
                 then = f"it chains the job that continues the run (CHAIN={left})" if chains else \
                     "the line below continues the run"
@@ -403,7 +398,7 @@ class Job:
         requeue_here = rt.is_main and not requeue_signal and stop.received != signal.SIGINT
         if requeue_here and self.launch.job_id:
             self.logger.close(EXIT_STOPPED)  # (a requeue that succeeds ends every process here: the tracker first)
-        requeued = requeue_here and requeue_slurm_job(self.launch)
+        requeued = requeue_here and requeue_job(self.launch.job_id)  # (the supervisor's requeue too)
         if rt.is_main and not requeued and not chains:  # (run again, a line would queue a second job for the run)
             print(f"to continue: {self.continue_command()}", flush=True)
         barrier("the barrier before stopping")
@@ -422,11 +417,11 @@ def fail(err: Exception | str, code: int = EXIT_USAGE, who: str = "") -> int:
     return code
 
 
-def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, manual: str = "",
-            stop: StopSignals | None = None, check_step: StepMaker | None = None) -> int:
+def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | None = None, *, manual: str = "",
+            stop: StopSignals | None = None, step_parts: StepParts | None = None) -> int:
     """Run `body` (the recipe's part: data, model, loop) as this process's part of the job
     and return the exit code; every ending is one line and a code (see the manual). With
-    --check, the doctor runs instead, and times `check_step`'s step on every rank. After a
+    --check, the doctor runs instead, and times a step made of `step_parts` on every rank. After a
     lost peer (4) in a process group, the process ends here with that code instead
     (distributed.leave_after_lost_peer)."""
     startup = StartupClock()  # first: its "imports" are the time since the process started
@@ -442,7 +437,8 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         if options.check:
             stop.restore()  # nothing to save: a signal ends the check at once
-            code = check_job(options, launch, check_step)
+            images = functools.partial(image_shape, recipe.dataset, Path(options.data_dir))
+            code = check_job(options, launch, recipe_step(step_parts, recipe, images) if step_parts else None)
             return code
         earlier = unfixable_earlier_exit(launch, who)
         if earlier:

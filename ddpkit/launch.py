@@ -1,6 +1,6 @@
 """The launch environment: who this process is in the job (torchrun, Slurm's srun, or one
 process), the stop signals, the start-up clock, and the exit files the job's supervisor
-reads (their names and the exit codes: ddpkit/contract.py).
+reads (their names and the exit codes: ddpkit/job/contract.py).
 
 Standard library only, so that mnist_ddp.py can import it, and catch a stop signal, before
 torch has loaded (which takes seconds on shared storage)."""
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
+from ddpkit.job.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
 
 PROG = "mnist_ddp.py"
 INTERRUPTED = "interrupted (Ctrl-C) before training started; nothing was saved"
@@ -227,6 +227,12 @@ class Launch:
     node: str = ""              # this machine as Slurm names it (SLURMD_NODENAME), else its host name
 
     @property
+    def paths(self) -> JobPaths:
+        """The files this rank leaves for the job's supervisor in the job's folder (exit_dir),
+        which write_exit_file writes only where there is one."""
+        return JobPaths.of_folder(self.exit_dir)
+
+    @property
     def continues_job(self) -> bool:
         """Whether this start goes on with a job that started before: a restart of its step
         (run_training.sbatch's or torchrun's) or a requeue by Slurm."""
@@ -352,19 +358,19 @@ def read_launch_env(env: Mapping[str, str], alone_ok: bool = False) -> Launch:
     return launch
 
 
-def write_exit_file(launch: Launch, name: str, text: str) -> None:
+def write_exit_file(launch: Launch, path: str, text: str) -> None:
     """Leave a file for the job's supervisor in the job's folder (JobEnv.EXIT_DIR), if there is
-    one: a file JobPaths names."""
+    one: `path`, one of launch.paths."""
     if launch.exit_dir:
         Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
-        Path(launch.exit_dir, name).write_text(text)
+        Path(path).write_text(text)
 
 
-def remove_exit_file(launch: Launch, name: str) -> None:
+def remove_exit_file(launch: Launch, path: str) -> None:
     """Take back a file left for the job's supervisor (write_exit_file), if it is there."""
     if launch.exit_dir:
         with contextlib.suppress(OSError):
-            Path(launch.exit_dir, name).unlink()
+            Path(path).unlink()
 
 
 def record_exit(code: int, launch: Launch | None) -> None:
@@ -372,7 +378,7 @@ def record_exit(code: int, launch: Launch | None) -> None:
     a lost peer or a killed rank, never after a code in NOT_RETRIED on any rank."""
     if launch:
         with contextlib.suppress(OSError):
-            write_exit_file(launch, JobPaths.RANK_CODE.format(launch.rank), f"{code}\n")
+            write_exit_file(launch, launch.paths.rank_code(launch.rank), f"{code}\n")
 
 
 def record_node_fault(fault: str, launch: Launch | None) -> None:
@@ -380,7 +386,7 @@ def record_node_fault(fault: str, launch: Launch | None) -> None:
     error's class): it pins the failure on that node. Before the exit code, which ends the wait."""
     if launch:
         with contextlib.suppress(OSError):
-            write_exit_file(launch, JobPaths.NODE_FAULT.format(launch.rank), node_fault_text(launch.node, fault))
+            write_exit_file(launch, launch.paths.node_fault(launch.rank), node_fault_text(launch.node, fault))
 
 
 def unfixable_exit(launch: Launch) -> tuple[int, str]:

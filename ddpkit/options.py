@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ddpkit.contract import RUN_NAME_RULE, is_run_name
+from ddpkit.job.contract import RUN_NAME_RULE, default_run_name, is_run_name
 from ddpkit.launch import PROG, UsageError
 
 DATA_FEEDS = ("auto", "memory", "stream")
@@ -76,7 +76,7 @@ class RunOptions:
     # output
     log_dir: str = option("runs", "directory that holds one directory per run (shared storage)", "output")
     run_name: str = option("", "the run's name; its directory is LOG_DIR/NAME, and the same name continues that run from "
-                           "its newest checkpoint (default: job-<SLURM_JOB_ID>, else a timestamp)", "output")
+                           f"its newest checkpoint (default: {default_run_name('<SLURM_JOB_ID>')}, else a timestamp)", "output")
     run_dir: str = option("", "the run's directory as a path, instead of LOG_DIR/RUN_NAME", "output")
     log_every: int = option(50, "log the training loss to TensorBoard every N steps (and the slowest and median rank's "
                             "time a step; RUN_DIR/profile-now is looked for as often)", "output")

@@ -1,9 +1,9 @@
 """The suite's tiers are its folders (docs/tests.md): tests/unit/ (one module each, no process
 of training started), tests/runs/ (real processes: mnist_ddp.py, torchrun, sweep.py, the
-benchmark, tensorboard.sh) and tests/cluster/ (a local Slurm, network namespaces or sshd;
-each folder's conftest.py marks its tests). `slow`, the longer end-to-end runs, is marked on
+benchmark, tensorboard.sh) and tests/cluster/ (a local Slurm, network namespaces or sshd):
+the hook below marks each test by its folder. `slow`, the longer end-to-end runs, is marked on
 each such test where it stands. What the tests share lives in tests/helpers/; here: the
-import path and the generic fixtures."""
+import path, the tiers' markers and the generic fixtures."""
 
 import shutil
 import sys
@@ -26,6 +26,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "runs: starts real processes of the project's commands (tests/runs/)")
     config.addinivalue_line("markers", "slurm: starts a local Slurm cluster, network namespaces or sshd (tests/cluster/)")
     config.addinivalue_line("markers", "slow: a longer end-to-end run, marked where it stands; not in `make test-fast`")
+
+
+# Each tier's marker, by the folder its tests stand in (as pytest names them: not resolved).
+TIERS = {Path(__file__).parent / folder: marker
+         for folder, marker in (("unit", pytest.mark.unit), ("runs", pytest.mark.runs), ("cluster", pytest.mark.slurm))}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for folder, marker in TIERS.items():
+            if folder in item.path.parents:
+                item.add_marker(marker)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The Slurm job's supervisor, which run_training.sbatch hands the job over to, on the host
 with the node's python3 (3.6 or newer, standard library only). No rank imports it: what the
-supervisor and the ranks agree on is ddpkit/contract.py.
+supervisor and the ranks agree on is ddpkit/job/contract.py.
 
   main.py      the entry file, run by path: the job from its START line to its END line (Supervisor),
                and `task`, what srun starts in each task

@@ -8,7 +8,7 @@ with MIN_NODES, when a node was lost; without a node that two failures were pinn
 nodes.py), requeues the job after a stop that asks for it (or,
 where Slurm does not, submits the job that continues the run: CHAIN), and prints the line
 that continues the run. What it and the ranks must agree on is
-ddpkit/contract.py; no rank imports this package.
+ddpkit/job/contract.py; no rank imports this package.
 
 It runs on the host with the python3 on the PATH (the active environment's, else the
 node's), outside the container when the ranks run in one (srun, scontrol and scancel are on
@@ -36,8 +36,8 @@ from typing import Dict, List, Optional, Tuple  # noqa: F401 (Tuple is in a type
 if __name__ == "__main__" and not __package__:  # run as a file: ddpkit is the parent of its directory's parent
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (after the path above)
-from ddpkit import sweeplines
-from ddpkit.contract import (
+from ddpkit.job import sweeplines
+from ddpkit.job.contract import (
     EXIT_BUG,
     EXIT_DIVERGED,
     EXIT_STOPPED,
@@ -56,25 +56,31 @@ from ddpkit.contract import (
     unix_time,
 )
 from ddpkit.supervisor.nodes import (
-    Pin,
+    Held,
+    Step,
     Usable,  # noqa: F401 (in a type comment)
     cannot_keep_off_line,
     exclusion_note,
     failure_pins,
+    first_step,
     job_usable,
     kept_off,
     leave_out_line,
     left_out,
     left_out_by_jobs,
+    next_step,
     of_one_step,
     ranks_on_two_nodes,
     read_lines,
     read_pins,
     record_pins,
     run_failure_line,
+    step_nodes,
+    step_pins,
+    whole_job,
     with_excluded,
 )
-from ddpkit.supervisor.outcome import Outcome, nodes_to_go_on_with, read_world_sizes, settle
+from ddpkit.supervisor.outcome import Outcome, read_world_sizes, settle
 from ddpkit.supervisor.settings import PROG, JobError, Settings, ranks_python, read_settings
 from ddpkit.supervisor.snapshot import code_copy, take_snapshot
 from ddpkit.supervisor.step import (
@@ -117,6 +123,7 @@ class Supervisor:
         # This job started again with nodes left out (a requeue that left them out): it is not
         # requeued a second time to leave a node out (each round might leave out another).
         self.left_out_at_start = False
+        self.step = whole_job(s)  # the step to start next (nodes.py: first_step, next_step)
         # The nodes Slurm may place the job on (nodes.py's Usable, None where Slurm cannot say,
         # and why), asked once, when a node is first left out.
         self.usable = None  # type: Optional[Tuple[Optional[Usable], str]]
@@ -218,7 +225,7 @@ class Supervisor:
         shutil.rmtree(s.job_dir, ignore_errors=True)
         if chained_job(s.run_dir) == s.job:  # this job, chained to continue the run, runs now: no longer queued
             try:
-                os.remove(os.path.join(s.run_dir, JobPaths.CHAINED_JOB))
+                os.remove(s.paths.chained_job)
             except OSError:
                 pass
         signal.signal(getattr(signal, "SIG" + s.signal), self.forward_signal)
@@ -231,7 +238,8 @@ class Supervisor:
                 if JobPaths.is_rank_code(name) or name == JobPaths.REQUEUE or of_one_step(name):
                     os.remove(os.path.join(s.job_dir, name))
             env[JobEnv.ATTEMPT] = f"{attempt}/{attempts}"
-            outcome = settle(self.run_step(step_command(s, self.task_file, train)), read_codes(s.job_dir), s.ntasks)
+            command = step_command(s, self.task_file, train, step=self.step)
+            outcome = settle(self.run_step(command), read_codes(s.job_dir), self.step.ntasks)
             if outcome.note:
                 print(outcome.note, flush=True)
             held = self.pin_failure(outcome, attempt) if outcome.retry else {}
@@ -243,107 +251,62 @@ class Supervisor:
             print(f"ATTEMPT {attempt + 1}/{attempts} after exit {outcome.status} ({outcome.why}): starting the step "
                   f"again in this allocation{fewer}; it resumes from the newest checkpoint", flush=True)
         self.stop_monitor()
-        if outcome.status == EXIT_STOPPED and os.path.exists(os.path.join(s.job_dir, JobPaths.REQUEUE)):
-            with open(os.path.join(s.job_dir, JobPaths.REQUEUE)) as file:
+        if outcome.status == EXIT_STOPPED and os.path.exists(s.paths.requeue):
+            with open(s.paths.requeue) as file:
                 self.requeue(file.read().strip())
         return self.end(outcome, attempt if s.launcher == "srun" else attempts)
 
     def nodes_held_now(self, outcome: Outcome, fields: Optional[Dict[str, str]] = None) -> Optional[str]:
-        """After a step that a restart may fix: the nodes Slurm still gives the job (a lost node
-        leaves a job submitted with --no-kill running without it; `fields`: its scontrol fields,
-        when they were just read), less those the job leaves out (nodes.py). With all that the
-        step used, "": the step starts again as it was. With fewer, and MIN_NODES and the run's
-        batch allowing it, the step goes on with the most of them it can use, without those
-        left out (what the ATTEMPT line adds); with too few, the job is requeued, and Slurm
-        keeps it off those left out (None; None too if Slurm would not requeue it)."""
+        """After a step that a restart may fix: the step that comes next (nodes.py's next_step),
+        from the nodes Slurm still gives the job (`fields`: its scontrol fields, when they were
+        just read), less those the job leaves out. What the ATTEMPT line adds ("" for the same
+        step); None where no step comes next: too few nodes are left, and the job was requeued
+        (or could not be)."""
         s = self.s
         if not fields:
-            fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
-        held = re.match(r"\d+", fields.get("NumNodes", ""))
-        if not held:
+            fields = job_fields(show_job(s.job)) if s.nodes > 1 else {}
+        count = re.match(r"\d+", fields.get("NumNodes", ""))
+        if not count:
             return ""
-        count, ntasks, bad = int(held.group()), s.ntasks, self.left_out()
-        nodes = self.nodes_of(fields.get("NodeList", "")) if bad else []
-        bad_held = [node for node in nodes if node in bad and node not in s.excluded]
-        usable = [node for node in nodes if node not in bad]
-        leaves_out = len(usable) < len(nodes)  # (a node left out is held: count only the others)
-        if leaves_out:
-            count = len(usable)
-        if count >= s.nodes and not bad_held:
-            return ""
-        go_on = nodes_to_go_on_with(count, s.min_nodes, s.tasks_per_node, read_world_sizes(s.job_dir, s.ntasks))
-        lost = f"the job holds {held.group()} of its {s.job_nodes} nodes ({fields.get('NodeList', '?')})"
-        if leaves_out:
-            out = len(nodes) - len(usable)
-            lost += f", {count} without the {'node' if out == 1 else 'nodes'} it leaves out"
-        # (a requeue to leave out a node that Slurm could not place the job without would leave it
-        # PENDING for good: the step starts again as it was, while the job holds every node it had)
-        kept = self.kept_off() if not go_on and bad_held else []
-        unkept = [node for node in bad_held if node not in kept] if not go_on else []
-        if unkept and not self.left_out_at_start and int(held.group()) >= s.nodes:
-            said = f" with {','.join(unkept)}, which Slurm could not place the job without"
-            excludes = [node for node in bad_held if node in kept]  # (excluded in the line alone: no requeue for it)
-            if excludes:
-                said += (f", and with {','.join(excludes)}, which the line that continues the run excludes (not "
-                         f"requeued without {'it' if len(excludes) == 1 else 'them'}: Slurm would place the job on "
-                         f"{','.join(unkept)} again)")
-            return said
-        if not go_on and bad_held and self.left_out_at_start:  # (a second requeue might leave out a healthy node)
-            if int(held.group()) >= s.nodes:
-                return f" with {','.join(bad_held)} (not requeued a second time to leave a node out)"
-            outcome.why += f"; then {lost}, and it was requeued once already to leave a node out"
-            return None
-        if not go_on:
-            unset = "" if s.min_nodes_set else " (unset: every node of the job)"
-            per_node = f"at {s.tasks_per_node} rank(s) a node"
-            why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if count < s.min_nodes else \
-                f"and no count of them from MIN_NODES={s.min_nodes} up, {per_node}, keeps the global batch"
+        bad = self.left_out()
+        held = Held(int(count.group()), fields.get("NodeList", "?"),
+                    self.nodes_of(fields.get("NodeList", "")) if bad else [])
+        after = next_step(s, self.step, held, left=bad, world_sizes=read_world_sizes(s.job_dir, self.step.ntasks),
+                          requeued_to_leave_out=self.left_out_at_start, kept_off=self.kept_off)
+        if after.requeue:
             self.stop_monitor()
-            self.requeue(f"exit {outcome.status}: {lost}, {why}")
-            outcome.why += f"; then {lost}, {why}" + ("" if self.requeued else ", and it was not requeued")
-            return None
-        s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
-        if leaves_out:  # (srun then runs the step on exactly the nodes chosen, rank 0 on the first)
-            chosen = usable[:go_on]
-            s.excluded = [node for node in nodes if node not in chosen]
-            if chosen[0] != nodes[0]:  # (the rendezvous was on a node left out)
-                os.environ["MASTER_ADDR"] = master_address({"SLURM_JOB_NODELIST": ",".join(chosen)})
-        instead = f" instead of {ntasks}" if s.ntasks != ntasks else ""
-        return f": {lost}, so on {go_on} node(s) with {s.ntasks} rank(s){instead}"
+            self.requeue(f"exit {outcome.status}: {after.why}")
+            outcome.why += f"; then {after.why}" + ("" if self.requeued else ", and it was not requeued")
+        elif after.step is None:
+            outcome.why += f"; then {after.why}"
+        else:
+            self.go_on_with(after.step)
+        return after.said if after.step else None
+
+    def go_on_with(self, step: Step) -> None:
+        """The next steps are `step`; the rendezvous moves where it says (MASTER_ADDR, which the
+        ranks inherit)."""
+        if step.master != self.step.master:
+            os.environ["MASTER_ADDR"] = master_address({"SLURM_JOB_NODELIST": step.master})
+        self.step = step
 
     # ----------------------------------------------------------------------------- the nodes left out
 
     def leave_out_from_the_start(self, world_sizes: List[int]) -> None:
-        """A requeued job leaves out the nodes its record leaves out from its first step: srun
-        excludes those it holds again (Slurm could not keep it off them), on fewer nodes
-        where MIN_NODES and the batch allow; else it runs on them as before, and gives up after
-        MAX_RESTARTS, not requeued a second time to leave them out."""
-        s, bad = self.s, self.left_out()
+        """A requeued job leaves out the nodes its record leaves out from its first step
+        (nodes.py's first_step), and is not requeued a second time to leave a node out."""
+        bad = self.left_out()
         if not bad:
             return
         self.left_out_at_start = True
-        nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
-        usable = [node for node in nodes if node not in bad]
-        if len(usable) == len(nodes):
-            return
-        held = ",".join(node for node in nodes if node in bad)
-        go_on = nodes_to_go_on_with(min(len(usable), s.nodes), s.min_nodes, s.tasks_per_node, world_sizes)
-        if not go_on:
-            print(f"the job holds {held} again, which it leaves out, and too few nodes without it (MIN_NODES="
-                  f"{s.min_nodes}): it runs on them, and is not requeued again to leave them out", flush=True)
-            return
-        ntasks = s.ntasks
-        s.nodes, s.ntasks = go_on, go_on * s.tasks_per_node
-        chosen = usable[:go_on]
-        s.excluded = [node for node in nodes if node not in chosen]
-        if chosen[0] != nodes[0]:  # (the rendezvous was on a node left out)
-            os.environ["MASTER_ADDR"] = master_address({"SLURM_JOB_NODELIST": ",".join(chosen)})
-        instead = f" instead of {ntasks}" if s.ntasks != ntasks else ""
-        print(f"the job holds {held} again, which it leaves out: its step runs on {go_on} node(s) with {s.ntasks} "
-              f"rank(s){instead}, without it", flush=True)
+        first = first_step(self.s, nodes=self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")), left=bad,
+                           world_sizes=world_sizes)
+        self.go_on_with(first.step)
+        if first.said:
+            print(first.said, flush=True)
 
     def node_record(self) -> str:
-        return JobPaths.node_failures(self.s.run_dir, self.s.job)
+        return self.s.paths.node_failures
 
     def left_out(self) -> List[str]:
         """The nodes this job leaves out: those two of its failures were pinned on (nodes.py)."""
@@ -362,20 +325,13 @@ class Supervisor:
         line says, and which the line that continues the run excludes. The job's scontrol
         fields, as read now ({} on one node)."""
         s = self.s
-        fields = job_fields(show_job(s.job)) if s.job_nodes > 1 else {}
-        step = read_lines(os.path.join(s.job_dir, JobPaths.NODES))
+        fields = job_fields(show_job(s.job)) if s.nodes > 1 else {}
+        step = read_lines(s.paths.nodes)
         if not step:  # (the ranks never met: the nodes the step was given)
-            step = [node for node in self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")) if node not in s.excluded]
-            step = step[:s.nodes]
+            step = step_nodes(self.step, self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")))
         pins = failure_pins(s.job_dir, outcome, step)
         held = self.nodes_of(fields.get("NodeList", "")) if fields else []
-        # (only the job's own nodes: a rank that could not name its node, as in a container
-        # without SLURMD_NODENAME, names another, which the job never held nor lost)
-        job_nodes = self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))
-        pins = {node: pin for node, pin in pins.items() if node in job_nodes or not job_nodes}
-        for node in step:
-            if held and node not in held and node in job_nodes:
-                pins[node] = Pin("", "the job lost it (Slurm took it from the job)")
+        pins = step_pins(pins, step=step, held=held, job_nodes=self.nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")))
         requeues = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         failure = f"attempt {attempt}{f' after {requeues} requeue(s)' if requeues else ''}, exit {outcome.status}"
         before, record = self.left_out(), read_pins(self.node_record())
@@ -394,7 +350,7 @@ class Supervisor:
         for node in new:
             print(leave_out_line(node, pinned[node]) if node in kept or not usable else
                   cannot_keep_off_line(node, failures=pinned[node], usable=usable, excluded=self.own_excluded() + kept,
-                                       count=s.job_nodes), flush=True)
+                                       count=s.nodes), flush=True)
         if set(new) & set(kept):
             self.exclude_in_line([node for node in new if node in kept])
         return fields
@@ -417,7 +373,7 @@ class Supervisor:
             if self.usable[0] is None:
                 print(f"could not ask Slurm which nodes Slurm job {self.s.job} may run on ({self.usable[1]}); it leaves "
                       f"{','.join(bad)} out of its requeue and of the line that continues the run, as before", flush=True)
-        return kept_off(bad, self.usable[0], self.own_excluded(), self.s.job_nodes) if bad and self.usable else []
+        return kept_off(bad, self.usable[0], self.own_excluded(), self.s.nodes) if bad and self.usable else []
 
     def exclude_in_line(self, nodes: List[str]) -> None:
         """The line that continues the run excludes `nodes` too: the one the ranks get, and rank
@@ -425,7 +381,7 @@ class Supervisor:
         s, old = self.s, self.resubmit
         self.fields["ExcNodeList"] = with_excluded(self.fields.get("ExcNodeList", ""), nodes)
         os.environ[JobEnv.RESUBMIT] = self.resubmit = resubmit_line(s, os.environ, self.fields)
-        path = os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)
+        path = s.paths.continue_command
         line = " ".join(read_lines(path))
         if line.startswith(old + " "):
             try:
@@ -473,7 +429,7 @@ class Supervisor:
             if kept:  # (until the nodes left out are excluded, right after the requeue)
                 held_off.append(signal.signal(signal.SIGTERM, signal.SIG_IGN))
             try:
-                os.remove(os.path.join(s.run_dir, JobPaths.EXIT_CODE))  # (not "stopped" while the job waits to run again)
+                os.remove(s.paths.exit_code)  # (not "stopped" while the job waits to run again)
             except OSError:
                 pass
 
@@ -504,10 +460,10 @@ class Supervisor:
                             requeued=self.requeued)
         print(f"END {now()} job={os.environ['SLURM_JOB_ID']} exit={status}{said}", flush=True)
         # Not when another job holds the run directory, nor once requeued: their outcome is still to come.
-        if not self.requeued and not os.path.exists(os.path.join(s.job_dir, JobPaths.RUN_DIR_TAKEN)):
+        if not self.requeued and not os.path.exists(s.paths.run_dir_taken):
             try:
                 os.makedirs(s.run_dir, exist_ok=True)
-                with open(os.path.join(s.run_dir, JobPaths.EXIT_CODE), "w") as file:
+                with open(s.paths.exit_code, "w") as file:
                     file.write(f"{status}\n")
             except OSError:
                 pass
@@ -539,7 +495,7 @@ class Supervisor:
         """The sbatch line that continues the run: rank 0's, else the options a restart would get."""
         s = self.s
         try:
-            with open(os.path.join(s.job_dir, JobPaths.CONTINUE_COMMAND)) as file:
+            with open(s.paths.continue_command) as file:
                 line = file.read().strip()
         except OSError:
             line = ""
@@ -558,7 +514,7 @@ class Supervisor:
         if state not in QUEUED:
             return ""
         print(f"not chaining another job: Slurm job {queued} ({state}) already continues the run "
-              f"({os.path.join(s.run_dir, JobPaths.CHAINED_JOB)})", flush=True)
+              f"({s.paths.chained_job})", flush=True)
         return queued
 
     def chain(self, line: str) -> str:
@@ -578,7 +534,7 @@ class Supervisor:
                   flush=True)
             return ""
         try:
-            with open(os.path.join(s.run_dir, JobPaths.CHAINED_JOB), "w") as file:
+            with open(s.paths.chained_job, "w") as file:
                 file.write(new + "\n")
         except OSError:
             pass
@@ -610,7 +566,7 @@ def submit_dir() -> str:
 def chained_job(run_dir: str) -> str:
     """The id of the job CHAIN last submitted to continue the run (RUN_DIR/chained-job), or ""."""
     try:
-        with open(os.path.join(run_dir, JobPaths.CHAINED_JOB)) as file:
+        with open(JobPaths(run_dir).chained_job) as file:
             return file.read().strip()
     except OSError:
         return ""

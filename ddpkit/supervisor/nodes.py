@@ -22,15 +22,21 @@ the job off the node (the requeue's ExcNodeList, the --exclude of the line that 
 the run) only while the job's partition, or its reservation, still has as many usable nodes
 as the job asks for without it (kept_off): else Slurm would hold the job PENDING
 (BadConstraints) for good, or refuse the line. Every later job of the run is told which of
-its excluded nodes a job of the run left out, and how to take one back (exclusion_note)."""
+its excluded nodes a job of the run left out, and how to take one back (exclusion_note).
+
+Which step comes next is data: first_step (a requeued job's first step) and next_step (after
+a step that a restart may fix) take the facts, as plain values, and hand back a Next: the Step
+to start (its nodes, ranks, the nodes srun leaves out, the node of the rendezvous), or none,
+and why; the supervisor runs it, prints its lines, and asks Slurm."""
 
 import os
 import re
 import subprocess
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ddpkit.contract import SCONTROL_TIMEOUT, JobPaths, job_fields, last_line, read_hung, read_node_fault, run
-from ddpkit.supervisor.outcome import Outcome
+from ddpkit.job.contract import SCONTROL_TIMEOUT, JobPaths, job_fields, last_line, read_hung, read_node_fault, run
+from ddpkit.supervisor.outcome import Outcome, nodes_to_go_on_with
+from ddpkit.supervisor.settings import Settings
 
 LEAVE_OUT_AFTER = 2  # failures pinned on one node after which the job leaves it out
 # How sinfo's states (%T) of a node Slurm starts no job on until someone acts begin: down,
@@ -57,10 +63,10 @@ def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[st
     in the job's folder; `step` is the step's nodes, should the ranks not have met (rank 0
     lists them by rank once they did: JobPaths.NODES). A kind of failure that names every node
     of the step pins none."""
-    by_rank = read_lines(os.path.join(job_dir, JobPaths.NODES))
+    by_rank = read_lines(JobPaths.of_folder(job_dir).nodes)
     hung, killed = {}, {}  # type: Dict[str, List[str]], Dict[str, List[str]]
     faults = {}  # type: Dict[str, List[Pin]]
-    for rank, node in read_hung("\n".join(read_lines(os.path.join(job_dir, JobPaths.HUNG)))):
+    for rank, node in read_hung("\n".join(read_lines(JobPaths.of_folder(job_dir).hung))):
         hung.setdefault(node, []).append(rank)
     for rank in outcome.killed:
         if rank < len(by_rank):
@@ -86,6 +92,19 @@ def failure_pins(job_dir: str, outcome: Outcome, step: Sequence[str]) -> Dict[st
                 ranks = pins[node].ranks.split() + [rank for rank in pin.ranks.split() if rank not in pins[node].ranks.split()]
                 pin = Pin(" ".join(ranks), f"{pins[node].why} and {pin.why}")
             pins[node] = pin
+    return pins
+
+
+def step_pins(pins: Dict[str, Pin], *, step: Sequence[str], held: Sequence[str], job_nodes: Sequence[str]
+              ) -> Dict[str, Pin]:
+    """A step's `pins` (failure_pins) on the job's own nodes alone (a rank that could not name
+    its node, as in a container without SLURMD_NODENAME, names another, which the job never
+    held nor lost; every one where the job's nodes are unknown), and on each node of the
+    `step` that the job no longer holds ([]: unknown), the job's lost it."""
+    pins = {node: pin for node, pin in pins.items() if node in job_nodes or not job_nodes}
+    for node in step:
+        if held and node not in held and node in job_nodes:
+            pins[node] = Pin("", "the job lost it (Slurm took it from the job)")
     return pins
 
 
@@ -150,6 +169,130 @@ def with_excluded(excluded: str, nodes: Sequence[str]) -> str:
 def of_one_step(name: str) -> bool:
     """Whether a file of the job's folder tells of one step alone, cleared before the next."""
     return name in (JobPaths.NODES, JobPaths.HUNG) or re.fullmatch(JobPaths.NODE_FAULT.format(r"\d+"), name) is not None
+
+
+# ----------------------------------------------------------------------------- which step comes next
+
+class Step(NamedTuple):
+    """The job step the supervisor starts: how many of the job's nodes and ranks, which of its
+    nodes srun leaves out (those left out, and those a smaller step leaves: it then runs on
+    exactly the nodes chosen, rank 0 on the first), and where the rendezvous moved: the nodes
+    chosen then, as a node list, whose first gives MASTER_ADDR ("": as the job started)."""
+    nodes: int
+    ntasks: int
+    excluded: Tuple[str, ...]
+    master: str
+
+
+def whole_job(s: Settings) -> Step:
+    """The step on every node and rank the job was given."""
+    return Step(s.nodes, s.ntasks, (), "")
+
+
+def step_nodes(step: Step, job_nodes: Sequence[str]) -> List[str]:
+    """The nodes srun gives `step` of the job's nodes (listed as Slurm gave them): the first
+    ones it does not leave out."""
+    return [node for node in job_nodes if node not in step.excluded][:step.nodes]
+
+
+class Next(NamedTuple):
+    """What comes after a step: `step`, the step to start (None: none in this allocation); `said`,
+    what the ATTEMPT line adds (first_step: the line to print); `why`, where there is no step,
+    what the outcome's why adds after "; then "; `requeue`: the job is requeued for `why` first."""
+    step: Optional[Step]
+    said: str
+    why: str
+    requeue: bool
+
+
+def narrowed(step: Step, go_on: int, tasks_per_node: int, *, nodes: Sequence[str], usable: Sequence[str]) -> Step:
+    """`step` on `go_on` nodes. Where the job leaves some of the `nodes` it holds out (fewer are
+    `usable`), srun runs it on exactly the nodes chosen, rank 0 on the first, where the
+    rendezvous moves when it was on a node left out; else on the first of the nodes held."""
+    if len(usable) == len(nodes):
+        return step._replace(nodes=go_on, ntasks=go_on * tasks_per_node)
+    chosen = list(usable[:go_on])
+    return Step(go_on, go_on * tasks_per_node, tuple(node for node in nodes if node not in chosen),
+                ",".join(chosen) if chosen[0] != nodes[0] else step.master)
+
+
+def first_step(s: Settings, *, nodes: Sequence[str], left: Sequence[str], world_sizes: List[int]) -> Next:
+    """A requeued job's first step, which leaves out the nodes its record leaves out (`left`):
+    srun excludes those of the job's `nodes` it holds again (Slurm could not keep it off them),
+    on fewer nodes where MIN_NODES and the batch allow; else it runs on them as before (and
+    gives up after MAX_RESTARTS, not requeued a second time to leave them out)."""
+    step = whole_job(s)
+    usable = [node for node in nodes if node not in left]
+    if len(usable) == len(nodes):
+        return Next(step, "", "", False)
+    held = ",".join(node for node in nodes if node in left)
+    go_on = nodes_to_go_on_with(min(len(usable), s.nodes), s.min_nodes, s.tasks_per_node, world_sizes)
+    if not go_on:
+        return Next(step, f"the job holds {held} again, which it leaves out, and too few nodes without it (MIN_NODES="
+                          f"{s.min_nodes}): it runs on them, and is not requeued again to leave them out", "", False)
+    new = narrowed(step, go_on, s.tasks_per_node, nodes=nodes, usable=usable)
+    instead = f" instead of {step.ntasks}" if new.ntasks != step.ntasks else ""
+    return Next(new, f"the job holds {held} again, which it leaves out: its step runs on {go_on} node(s) with "
+                     f"{new.ntasks} rank(s){instead}, without it", "", False)
+
+
+class Held(NamedTuple):
+    """The job's nodes as Slurm gives them now: scontrol's NumNodes and NodeList, and its
+    nodes listed ([] where the job leaves none out: no need to list them)."""
+    count: int
+    nodelist: str
+    nodes: List[str]
+
+
+def next_step(s: Settings, step: Step, held: Held, *, left: Sequence[str], world_sizes: List[int],
+              requeued_to_leave_out: bool, kept_off: Callable[[], List[str]]) -> Next:
+    """After `step` ended in a failure that a restart may fix: the step that comes next, from the
+    nodes the job `held` now (a lost node leaves a job submitted with --no-kill running without
+    it) less those it leaves out (`left`). With all that the step used, the step starts again as
+    it was. With fewer, and MIN_NODES and the run's batch (`world_sizes`) allowing it, the step
+    goes on with the most of them it can use, without those left out; with too few, the job is
+    requeued, and Slurm keeps it off those left out; not where it was requeued once already to
+    leave a node out (`requeued_to_leave_out`), nor for a node left out that Slurm could not
+    place the job without: `kept_off()`, those Slurm can keep it off, asked only then (the
+    answer costs a query of Slurm)."""
+    count = held.count
+    bad_held = [node for node in held.nodes if node in left and node not in step.excluded]
+    usable = [node for node in held.nodes if node not in left]
+    leaves_out = len(usable) < len(held.nodes)  # (a node left out is held: count only the others)
+    if leaves_out:
+        count = len(usable)
+    if count >= step.nodes and not bad_held:
+        return Next(step, "", "", False)
+    go_on = nodes_to_go_on_with(count, s.min_nodes, s.tasks_per_node, world_sizes)
+    lost = f"the job holds {held.count} of its {s.nodes} nodes ({held.nodelist})"
+    if leaves_out:
+        out = len(held.nodes) - len(usable)
+        lost += f", {count} without the {'node' if out == 1 else 'nodes'} it leaves out"
+    # (a requeue to leave out a node that Slurm could not place the job without would leave it
+    # PENDING for good: the step starts again as it was, while the job holds every node it had)
+    kept = kept_off() if not go_on and bad_held else []
+    unkept = [node for node in bad_held if node not in kept] if not go_on else []
+    if unkept and not requeued_to_leave_out and held.count >= step.nodes:
+        said = f" with {','.join(unkept)}, which Slurm could not place the job without"
+        excludes = [node for node in bad_held if node in kept]  # (excluded in the line alone: no requeue for it)
+        if excludes:
+            said += (f", and with {','.join(excludes)}, which the line that continues the run excludes (not "
+                     f"requeued without {'it' if len(excludes) == 1 else 'them'}: Slurm would place the job on "
+                     f"{','.join(unkept)} again)")
+        return Next(step, said, "", False)
+    if not go_on and bad_held and requeued_to_leave_out:  # (a second requeue might leave out a healthy node)
+        if held.count >= step.nodes:
+            return Next(step, f" with {','.join(bad_held)} (not requeued a second time to leave a node out)", "", False)
+        return Next(None, "", f"{lost}, and it was requeued once already to leave a node out", False)
+    if not go_on:
+        unset = "" if s.min_nodes_set else " (unset: every node of the job)"
+        per_node = f"at {s.tasks_per_node} rank(s) a node"
+        why = f"fewer than MIN_NODES={s.min_nodes}{unset}" if count < s.min_nodes else \
+            f"and no count of them from MIN_NODES={s.min_nodes} up, {per_node}, keeps the global batch"
+        return Next(None, "", f"{lost}, {why}", True)
+    new = narrowed(step, go_on, s.tasks_per_node, nodes=held.nodes, usable=usable)
+    instead = f" instead of {step.ntasks}" if new.ntasks != step.ntasks else ""
+    return Next(new, f": {lost}, so on {go_on} node(s) with {new.ntasks} rank(s){instead}", "", False)
 
 
 # ----------------------------------------------------------------------------- what Slurm can keep the job off
@@ -236,7 +379,7 @@ def left_out_by_jobs(run_dir: str, this_job: str) -> Dict[str, str]:
     node -> by whom and why, as "job 12 of this run (2 failures were pinned on it)" (or "this
     job (...)", for `this_job`)."""
     found = {}  # type: Dict[str, str]
-    for job, path in JobPaths.node_failure_records(run_dir):
+    for job, path in JobPaths(run_dir).node_failure_records():
         pins = read_pins(path)
         for node in left_out(pins):
             by = "this job" if job == this_job else f"job {job} of this run"

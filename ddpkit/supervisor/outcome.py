@@ -2,10 +2,9 @@
 and after a lost node, how many of the nodes left the step goes on with. Python 3.6,
 standard library only."""
 
-import os
 from typing import List, Mapping, Tuple
 
-from ddpkit.contract import EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, NOT_RETRIED, JobPaths
+from ddpkit.job.contract import EXIT_LOST_PEER, EXIT_NODE_FAULT, EXIT_STOPPED, NOT_RETRIED, JobPaths
 
 
 class Outcome:
@@ -67,7 +66,7 @@ def read_world_sizes(directory: str, ntasks: int) -> List[int]:
     """The world sizes rank 0 left in the job's folder (JobPaths.WORLD_SIZES); without them, the divisors of the
     world size (a global batch split among ntasks ranks splits among those too)."""
     try:
-        with open(os.path.join(directory, JobPaths.WORLD_SIZES)) as file:
+        with open(JobPaths.of_folder(directory).world_sizes) as file:
             return [int(word) for word in file.read().split()]
     except (OSError, ValueError):
         return [n for n in range(1, ntasks + 1) if ntasks % n == 0]

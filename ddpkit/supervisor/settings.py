@@ -1,7 +1,7 @@
 """The job's settings: the environment variables at submission (docs/clusters.md lists them)
 and the job's own facts, each checked, with the defaults filled in (read_settings); a
 container's words; a sweep's array task; the ranks' interpreter. A wrong one is a JobError:
-one line on stderr and exit code 2. Python 3.6, standard library only (ddpkit/contract.py
+one line on stderr and exit code 2. Python 3.6, standard library only (ddpkit/job/contract.py
 says why)."""
 
 import os
@@ -10,8 +10,8 @@ import shlex
 import shutil
 from typing import Dict, List, Mapping  # noqa: F401 (Dict is in a type comment, which ruff does not read)
 
-from ddpkit import sweeplines
-from ddpkit.contract import RUN_NAME_RULE, JobPaths, default_run_name, is_run_name, port_from_job_id, this_job
+from ddpkit.job import sweeplines
+from ddpkit.job.contract import RUN_NAME_RULE, JobPaths, default_run_name, is_run_name, port_from_job_id, this_job
 
 PROG = "run_training.sbatch"
 SIGNALS = ("USR1", "TERM", "HUP", "INT")
@@ -37,10 +37,10 @@ class Settings:
     node_data_dir = python = environment = batch_file = job = ""
     passed_on = {}  # type: Dict[str, str]  # the PASSED_ON settings as given, before the supervisor sets any
     check = min_nodes_set = False
-    max_restarts = master_port = ntasks = nodes = tasks_per_node = 0
+    max_restarts = master_port = tasks_per_node = 0
     chain = 0  # CHAIN: the jobs still to submit, one after another, where Slurm does not requeue a stopped job
-    job_nodes = min_nodes = 0  # the nodes the job was given; the fewest it goes on with after losing some
-    excluded = []  # type: List[str]  # the job's nodes its step leaves out (a node left out, those a smaller step leaves)
+    nodes = ntasks = 0  # the nodes and ranks the job was given (its steps' own: nodes.py's Step)
+    min_nodes = 0  # the fewest nodes it goes on with after losing some
     container = []  # type: List[str]      # words before each rank's command (Apptainer, Singularity, CONTAINER_CMD)
     container_srun = []  # type: List[str]  # srun's own options (Pyxis)
     container_desc = "none"
@@ -52,9 +52,14 @@ class Settings:
         return os.path.join(self.log_dir, self.run_name)
 
     @property
+    def paths(self) -> JobPaths:
+        """The files of the run directory and of this job's own folder in it."""
+        return JobPaths(self.run_dir, self.job)
+
+    @property
     def job_dir(self) -> str:
-        """This job's own folder in the run directory (JobPaths names its files)."""
-        return JobPaths.job_dir(self.run_dir, self.job)
+        """This job's own folder in the run directory."""
+        return self.paths.job_dir
 
 
 def decimal(env: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:
@@ -115,7 +120,7 @@ def read_settings(env: Mapping[str, str], *, project: str, batch_file: str, envi
     s.ntasks = int(env.get("SLURM_NTASKS", "1"))
     s.nodes = int(env.get("SLURM_JOB_NUM_NODES", "1"))
     s.tasks_per_node = int(env.get("SLURM_NTASKS_PER_NODE") or s.ntasks // s.nodes)
-    s.job_nodes, s.min_nodes, s.min_nodes_set = s.nodes, decimal(env, "MIN_NODES", 1, s.nodes, s.nodes), "MIN_NODES" in env
+    s.min_nodes, s.min_nodes_set = decimal(env, "MIN_NODES", 1, s.nodes, s.nodes), "MIN_NODES" in env
     if s.min_nodes < s.nodes and s.launcher != "srun":
         raise JobError(f"MIN_NODES={env['MIN_NODES']} is for LAUNCHER=srun: under torchrun, its agents restart the "
                        "workers themselves; unset MIN_NODES or LAUNCHER")
@@ -176,7 +181,7 @@ def read_sweep_task(s: Settings, env: Mapping[str, str]) -> None:
         raise JobError(str(err)) from None
     s.run_name, s.sweep_args = lines[0], lines[1:]
     if not is_run_name(s.run_name):
-        raise JobError(f"ddpkit/sweeplines.py gave array task {env['SLURM_ARRAY_TASK_ID']} the run name '{s.run_name}', "
+        raise JobError(f"ddpkit/job/sweeplines.py gave array task {env['SLURM_ARRAY_TASK_ID']} the run name '{s.run_name}', "
                        f"not {RUN_NAME_RULE}; change the options of that line in {s.sweep_file}")
 
 

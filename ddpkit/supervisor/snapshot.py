@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from typing import List, Tuple
 
+from ddpkit.job.contract import JobPaths
 from ddpkit.supervisor.settings import JobError, Settings
 
 
@@ -28,7 +29,7 @@ def code_files(directory: str, leave_out: Tuple[str, ...] = ()) -> List[str]:
 
 def code_copy(s: Settings) -> str:
     """Where this job's copy of its code lives: RUN_DIR/code/job-<id>."""
-    return os.path.join(os.path.abspath(s.run_dir), "code", "job-" + s.job)
+    return JobPaths(os.path.abspath(s.run_dir), s.job).code_copy
 
 
 def take_snapshot(s: Settings) -> str:
@@ -129,5 +130,5 @@ def newest_other_copy(code: str, copy: str) -> str:
     if not os.path.isdir(code):
         return ""
     others = [os.path.join(code, name) for name in os.listdir(code)
-              if name.startswith("job-") and not name.endswith(".partial") and os.path.join(code, name) != copy]
+              if JobPaths.names_a_job(name) and not name.endswith(".partial") and os.path.join(code, name) != copy]
     return max(others, key=os.path.getmtime) if others else ""

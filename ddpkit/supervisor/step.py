@@ -12,10 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from ddpkit import sweeplines
-from ddpkit.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting
+from ddpkit.job import sweeplines
+from ddpkit.job.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting
+from ddpkit.supervisor.nodes import Step, whole_job
 from ddpkit.supervisor.settings import PROG, SETTINGS, JobError, Settings
 
 IP_TIMEOUT = 10.0  # seconds for `ip`, which answers from this node's own tables
@@ -67,14 +68,16 @@ def training_args(s: Settings, script: str, first_start: bool = True) -> List[st
     return args + (given if first_start else continuing_args(given, s.run_dir))
 
 
-def step_command(s: Settings, task_file: str, train: List[str], launcher: str = "") -> List[str]:
+def step_command(s: Settings, task_file: str, train: List[str], launcher: str = "", *,
+                 step: Optional[Step] = None) -> List[str]:
     """The job step that runs the ranks: srun starts each task through `task_file task`, which
-    becomes the training process (srun) or the node's torchrun agent."""
-    launcher = launcher or s.launcher
+    becomes the training process (srun) or the node's torchrun agent; `step`, on which nodes
+    (nodes.py's Step; the job's every node by default)."""
+    launcher, step = launcher or s.launcher, step or whole_job(s)
     srun = ["srun", "--label", "--kill-on-bad-exit=1"]
-    if s.nodes < s.job_nodes:  # going on with the nodes left after a node was lost (MIN_NODES), from the
-        srun += [f"--nodes={s.nodes}", f"--ntasks={s.ntasks}"]  # first (rank 0 by MASTER_ADDR), or without those left out
-        srun += ["--exclude=" + ",".join(s.excluded)] if s.excluded else ["--relative=0"]
+    if step.nodes < s.nodes:  # going on with the nodes left after a node was lost (MIN_NODES), from the
+        srun += [f"--nodes={step.nodes}", f"--ntasks={step.ntasks}"]  # first (rank 0 by MASTER_ADDR), or without those left out
+        srun += ["--exclude=" + ",".join(step.excluded)] if step.excluded else ["--relative=0"]
     if launcher == "torchrun":
         # One torchrun per node starts tasks_per_node workers; c10d rendezvous on the first
         # node. Its agents restart all workers when one fails, MAX_RESTARTS times at most.

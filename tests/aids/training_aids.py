@@ -17,8 +17,6 @@
   AID_SLOW_SAVE=R:N:S  rank R's checkpoint of step N takes S seconds more (a slow file system)
   AID_STEP_SECONDS=S   every rank's training step lasts at least S seconds: it sleeps the rest
                        after the step, so that a run has a known length whatever the load
-  AID_NO_STEP_TIMES=1  no rank times its own part of a step (the straggler figures), for
-                       benchmarks/bench.py --step-times, which measures what they cost
   AID_NO_MODULE=M,N    the modules M and N cannot be imported, as if their packages were not
                        installed (read at start-up: for a fresh interpreter, not a forked run)
   AID_THREADS_AT_EXIT=1  a rank (RANK or SLURM_PROCID set) says on stderr, as its interpreter
@@ -29,8 +27,8 @@ ddpkit holds no trace of them. A process gets them by importing this module befo
 ddpkit: sitecustomize.py beside it does so at start-up in every process whose PYTHONPATH
 holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks, Slurm jobs),
 and the tests' forkserver imports it before it imports ddpkit. The module wraps
-TrainingRun's methods as ddpkit.training_run is imported, the doctor's time_step as
-ddpkit.doctor is, wrap_ddp as ddpkit.distributed is and data_lock as ddpkit.staging
+TrainingRun's methods as ddpkit.run.training_run is imported, the doctor's time_step as
+ddpkit.run.doctor is, wrap_ddp as ddpkit.distributed is and data_lock as ddpkit.data.staging
 is (or at once, if they already were). The wrappers read the variables when they are
 called, so that a run forked from a process that imported ddpkit before the run's
 environment was known reads its own; unset, they do nothing.
@@ -44,10 +42,10 @@ import os
 import sys
 import time
 
-TRAINING_RUN = "ddpkit.training_run"
-DOCTOR = "ddpkit.doctor"
+TRAINING_RUN = "ddpkit.run.training_run"
+DOCTOR = "ddpkit.run.doctor"
 DISTRIBUTED = "ddpkit.distributed"
-STAGING = "ddpkit.staging"
+STAGING = "ddpkit.data.staging"
 
 
 def fields(name):
@@ -57,17 +55,13 @@ def fields(name):
 
 
 def aid(module):
-    """Wrap the TrainingRun of `module` (ddpkit.training_run, just imported) with the aids, once."""
+    """Wrap the TrainingRun of `module` (ddpkit.run.training_run, just imported) with the aids, once."""
     run = module.TrainingRun
     if getattr(run, "aided", False):
         return
     run.aided = True
     plain_init, plain_epoch_begins, plain_step_done, plain_checkpoint = (
         run.__init__, run.epoch_begins, run.step_done, run.checkpoint)
-    plain_step_timer = module.StepTimer
-
-    def step_timer(model):
-        return plain_step_timer(None if os.environ.get("AID_NO_STEP_TIMES") == "1" else model)
 
     def __init__(self, *args, **kwargs):
         plain_init(self, *args, **kwargs)
@@ -109,7 +103,6 @@ def aid(module):
         self.aid_step_began = time.perf_counter()
         return path
 
-    module.StepTimer = step_timer
     run.__init__, run.epoch_begins, run.step_done, run.checkpoint = __init__, epoch_begins, step_done, checkpoint
 
 
@@ -126,7 +119,7 @@ def doctor_delay():
 
 
 def aid_doctor(module):
-    """Wrap the time_step of `module` (ddpkit.doctor, just imported) with the aids, once: the
+    """Wrap the time_step of `module` (ddpkit.run.doctor, just imported) with the aids, once: the
     step it times sleeps first."""
     plain_time_step = module.time_step
     if getattr(plain_time_step, "aided", False):
@@ -172,7 +165,7 @@ def aid_distributed(module):
 
 
 def aid_staging(module):
-    """Wrap the data_lock of `module` (ddpkit.staging, just imported), once: with
+    """Wrap the data_lock of `module` (ddpkit.data.staging, just imported), once: with
     AID_STOP_LOCKED=1, the process stops itself as soon as it holds the lock."""
     plain_lock = module.data_lock
     if getattr(plain_lock, "aided", False):

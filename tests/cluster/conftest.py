@@ -1,5 +1,5 @@
 """tests/cluster/: every test that starts a local Slurm (local-slurm.sh), network namespaces or
-sshd; all marked `slurm`. They need root. Three groups, each run by a pytest process of its
+sshd; all marked `slurm` (tests/conftest.py). They need root. Three groups, each run by a pytest process of its
 own, at the same time (`make test`; docs/tests.md): one_node/ shares one single-node cluster,
 own_clusters/ holds the clusters in network namespaces and those a test starts for itself,
 mostly_waiting/ the tests that mostly wait (the time limit, nodes lost and left out).
@@ -15,12 +15,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:  # (every item of the session: mark this folder's)
-        if HERE in item.path.parents:
-            item.add_marker(pytest.mark.slurm)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -18,7 +18,7 @@ SBATCH_FILE = ROOT / "run_training.sbatch"
 # The single-node clusters share the host's network, and run jobs at the same time: one_node,
 # timed_node and the others each in a group of its own (make test runs the groups at once,
 # docs/tests.md). A job
-# derives its rendezvous port from its id (10000 + id % 20000, ddpkit/contract.py), and every
+# derives its rendezvous port from its id (10000 + id % 20000, ddpkit/job/contract.py), and every
 # cluster would number its jobs from 1: each numbers them from a block of its own instead. (The
 # clusters in network namespaces have ports of their own.)
 FIRST_JOB_ID = {"one_node": 1001, "bound_node": 3001, "roomy_node": 5001, "gpu_node": 7001, "timed_node": 9001}

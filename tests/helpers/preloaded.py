@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "mnist_ddp.py"
 AIDS = ROOT / "tests" / "aids"  # the testing aids, which reach runs from outside (sitecustomize.py)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torchvision", "torch.utils.tensorboard", "ddpkit.jobs", "ddpkit.imagesets",
-           "ddpkit.staging", "helpers.preloaded"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torchvision", "torch.utils.tensorboard", "ddpkit.jobs", "ddpkit.data.imagesets",
+           "ddpkit.data.staging", "helpers.preloaded"]
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)

@@ -58,8 +58,8 @@ def hparams_sessions(logdir: Path, first: list[str] | None = None) -> list[dict]
 
 def sweep_hparams() -> list[str]:
     import mnist_ddp
-    from ddpkit.options import RunOptions
-    return list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
+    from ddpkit.run.runlog import HParams
+    return list(HParams.of_run(mnist_ddp.Recipe(), batch_size=128, world_size=1, amp=False).values)
 
 
 # ----------------------------------------------------------------------------- a job array on Slurm

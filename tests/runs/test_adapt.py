@@ -5,7 +5,8 @@ trained by 2 ranks started as srun starts them: your own model (a name in MODELS
 with --model, and its branch in build_model), your own loss (the F.cross_entropy line of
 train_step), and your own test metric (two lines in evaluate); CHECK=1's step failing on a
 model made the default for 3-channel 32 x 32 images is the recipe's error (exit 1), and no
-node is blamed for it.
+node is blamed for it; on a folder of such images, the same check times that model on their
+shape and passes.
 
 The image folder is made here, not stored: 3 classes of 3x32x32 PNG images, each class a
 visible pattern (a bright row, column or diagonal) on noise.
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.contract import EXIT_STOPPED
+from ddpkit.job.contract import EXIT_STOPPED
 from helpers.images import CLASSES, load_params, make_image_folder, read_metrics
 from helpers.processes import SCRIPT, assert_ok, run_as_srun, run_single
 
@@ -155,7 +156,7 @@ def test_own_model_or_loss_edited_into_a_copy_trains_stops_and_resumes_on_2_rank
 
 # A model of one's own for 3-channel 32 x 32 images (CIFAR's), made the default: it cannot take
 # the check's fixed step of 1-channel 28 x 28 images.
-OWN_DEFAULT_MODEL = (('MODELS = (', 'MODELS = ("cifar", '), ('model: str = option("cnn",', 'model: str = option("cifar",'),
+OWN_DEFAULT_MODEL = (('MODELS = (', 'MODELS = ("cifar", '), ('model: str = kit.option("cnn",', 'model: str = kit.option("cifar",'),
                      ("    channels, height, width = shape\n",
                       "    channels, height, width = shape\n"
                       '    if recipe.model == "cifar":\n'
@@ -173,9 +174,24 @@ def test_check_of_a_model_that_cannot_take_its_step_is_the_recipes_error_and_bla
     out = results[0].stdout
     assert re.search(r"^check: rank 0 on \S+ cannot run a training step on cpu: .*3 channels", out, re.M), out
     assert re.search(r"^check failed: ranks 0, 1 \(on \S+\) cannot run a training step \(the line above from each says "
-                     r"why\): an error of the recipe's step \(mnist_ddp.py's check_step and the model it builds\) or of "
+                     r"why\): an error of the recipe's step \(its build_model, build_optimizer or train_step\) or of "
                      r"the environment, which another node would not fix; fix it, and run the check again$", out, re.M), out
     assert "--exclude" not in out + results[1].stdout
+
+
+def test_check_times_the_changed_model_on_the_image_folders_shape_and_passes(folder, tmp_path):
+    """The same model, on a folder of 3-channel 32 x 32 images: the check's step is the recipe's
+    own (its build_model, build_optimizer and train_step) on the folder's shape and class
+    count, so the model it cannot take on MNIST's shape is timed as it will train, and the
+    check passes (exit 0)."""
+    project = copy_of_the_project(tmp_path)
+    edit(project / "mnist_ddp.py", *OWN_DEFAULT_MODEL)
+    results = run_ranks(project / "mnist_ddp.py", ["--check", "--dataset", "folder", "--data-dir", str(folder)], cwd=tmp_path)
+    assert [r.returncode for r in results] == [0, 0], results[0].stdout[-3000:] + results[0].stderr[-3000:]
+    out = results[0].stdout
+    assert re.search(r"^check: a training step of the recipe's model \(cifar, 128 images of 3 x 32 x 32\) takes [\d.]+ ms ",
+                     out, re.M), out
+    assert re.search(r"^check passed", out, re.M), out
 
 
 @pytest.mark.slow

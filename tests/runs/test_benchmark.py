@@ -39,7 +39,7 @@ def test_benchmark_quick_run(tmp_path):
 @pytest.mark.slow
 def test_step_times_quick_run(tmp_path):
     """--step-times --quick: one run of 2 ranks with the straggler figures and one without
-    (the testing aid AID_NO_STEP_TIMES=1), and the report of what they cost."""
+    (its ranks' timers given no model to watch), and the report of what they cost."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--step-times", "--quick", "--out",
                              str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Checkpoints end to end, with real runs: a copy a user put in checkpoints/ neither wins nor
 is lost (the printed line resumes from the run's own), a newest checkpoint with a missing or
 unknown field falls back to the one before, and a resume on images of another channel count
-or size says so in one line. ddpkit/checkpoints.py at unit level: tests/unit/test_checkpoints.py.
+or size says so in one line. ddpkit/run/checkpoints.py at unit level: tests/unit/test_checkpoints.py.
 
     python -m pytest tests/runs/test_checkpoints_runs.py
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpkit.contract import EXIT_STOPPED
+from ddpkit.job.contract import EXIT_STOPPED
 from helpers.checkpoints import BROKEN, names
 from helpers.images import make_image_folder
 from helpers.processes import assert_ok, clean_env, run_single

@@ -1,7 +1,7 @@
 """A run's name is its identity: the command that a stopped or diverged run prints is run
 verbatim and carries that run on; --allow-changes lets it train longer or with another
 learning rate; a finished run says so; a stop signal during start-up is kept, not fatal;
-a missing, hanging or refusing scontrol means "not requeued", not a crash (requeue_slurm_job
+a missing, hanging or refusing scontrol means "not requeued", not a crash (contract.requeue_job
 itself: tests/unit/test_requeue.py).
 
     python -m pytest tests/runs/test_continue.py
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.checkpoints import read_checkpoint
-from ddpkit.contract import EXIT_DIVERGED, EXIT_STOPPED
+from ddpkit.job.contract import EXIT_DIVERGED, EXIT_STOPPED
+from ddpkit.run.checkpoints import read_checkpoint
 from helpers.images import on_folder, read_metrics
 from helpers.processes import SCRIPT, assert_ok, clean_env, press_ctrl_c, run_as_srun, run_single, run_torchrun
 from helpers.scontrol import refusing_scontrol

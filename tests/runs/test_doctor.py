@@ -35,7 +35,7 @@ def test_check_of_two_ranks_under_torchrun(tmp_path):
         assert re.search(rf"^check: rank {rank}  {re.escape(host)}  cpu  .*  gloo via \S+ [\d.]+ .*  torch ",
                          result.stdout, re.M), result.stdout
     assert "check: the all-reduce with a known answer is right; a 64 MB all-reduce takes " in result.stdout
-    assert re.search(r"^check: a training step of the default model \(cnn, 128 images of 28 x 28\) takes [\d.]+ ms on "
+    assert re.search(r"^check: a training step of the recipe's model \(cnn, 128 images of 1 x 28 x 28\) takes [\d.]+ ms on "
                      r"the median rank \([\d.]+-[\d.]+ ms over 2 ranks\)$", result.stdout, re.M), result.stdout
     assert "exchange of" not in result.stdout  # (one host: no pair of nodes to time)
     assert re.search(r"^check passed in [\d.]+ s: every rank joined, connected and reduced correctly", result.stdout, re.M)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit.contract import EXIT_LOST_PEER
+from ddpkit.job.contract import EXIT_LOST_PEER
 from helpers.images import load_params, on_folder, read_results
 from helpers.processes import ROOT, assert_ok, free_port, run_as_srun, run_single
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit.checkpoints import read_checkpoint
-from ddpkit.contract import EXIT_DIVERGED, EXIT_STOPPED, JobEnv, JobPaths, read_codes
+from ddpkit.job.contract import EXIT_DIVERGED, EXIT_STOPPED, JobEnv, JobPaths, read_codes
+from ddpkit.run.checkpoints import read_checkpoint
 from helpers.images import SAMPLE, read_metrics
 from helpers.processes import SCRIPT, assert_ok, clean_env, press_ctrl_c, run_as_srun, run_python, run_single
 
@@ -463,7 +463,7 @@ def test_ctrl_c_while_rank_0_loads_torch_ends_every_rank_with_130_at_once(workdi
     be saved, and leave their 130 in the job's folder for run_training.sbatch, as a Ctrl-C
     that the job runner ends does. Before, rank 0 did, and rank 1 waited on for --dist-timeout
     (300 s here); then both ended without leaving their codes."""
-    job_dir = JobPaths.job_dir(str(workdir), "1")
+    job_dir = JobPaths(str(workdir), "1").job_dir
     with socket.socket() as rendezvous:
         rendezvous.bind(("127.0.0.1", 0))
         rendezvous.listen()

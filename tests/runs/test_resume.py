@@ -23,8 +23,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit.checkpoints import read_checkpoint
-from ddpkit.contract import EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED
+from ddpkit.job.contract import EXIT_DIVERGED, EXIT_LOST_PEER, EXIT_STOPPED
+from ddpkit.run.checkpoints import read_checkpoint
 from helpers.images import load_params, on_folder, read_metrics, read_results
 from helpers.processes import assert_ok, run_as_srun, run_single
 

@@ -166,7 +166,7 @@ def test_node_local_data_dir_is_expanded_on_the_node(workdir):
 
 KILLED_MID_STAGING = """
 import os, signal, sys
-from ddpkit import staging
+from ddpkit.data import staging
 import mnist_ddp
 
 def killed_mid_copy(cls, raw):
@@ -212,7 +212,7 @@ def test_a_stager_stopped_while_it_holds_the_data_lock_is_named_by_the_next_with
 HOLDS_THE_LOCK = """
 import sys
 from pathlib import Path
-from ddpkit.staging import data_lock
+from ddpkit.data.staging import data_lock
 with data_lock(Path("data")):
     print("held", flush=True)
     sys.stdin.readline()  # (until the test says)
@@ -263,7 +263,7 @@ def test_staging_folder_left_by_a_kill_is_removed_at_the_next_staging(tmp_path):
     assert not list((tmp_path / "data").glob(".staging-*"))
     assert f"removed {leftover.relative_to(tmp_path)}, left by a staging that never finished" in result.stderr
 
-    from ddpkit.staging import copy_folder
+    from ddpkit.data.staging import copy_folder
     shared, local = make_image_folder(tmp_path / "shared", {"train": 1, "test": 1}, size=8), tmp_path / "node"
     (local / ".staging-x1y2z3" / "train" / "row").mkdir(parents=True)  # as a copy killed midway leaves it
     assert copy_folder(shared, local) is True

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_sweep import hparams_sessions
 
-from ddpkit import sweeplines
+from ddpkit.job import sweeplines
 from helpers.processes import ROOT, clean_env, press_ctrl_c, run_python
 
 BIN = Path(sys.executable).parent
@@ -301,13 +301,16 @@ def test_run_json_is_replaced_whole_so_a_kill_while_writing_it_leaves_the_last_o
     assert first.returncode == 0, first.stderr[-2000:]
     run_json = tmp_path / "runs" / "k" / "lr=1e-3" / "run.json"
     before = run_json.read_text()
-    die_half_way = ("import pathlib\nreal_write_text = pathlib.Path.write_text\n"
-                    "def write_half_then_die(self, text, *args, **kwargs):\n"
-                    "    if 'run.json' in self.name:\n"
-                    "        real_write_text(self, text[: len(text) // 2], *args, **kwargs)\n"
+    die_half_way = ("import io\nfrom ddpkit import files\nreal_replace_with = files.replace_with\n"
+                    "def write_half_then_die(path, write, **kwargs):\n"
+                    "    def half(fh):\n"
+                    "        whole = io.StringIO()\n"
+                    "        write(whole)\n"
+                    "        fh.write(whole.getvalue()[: len(whole.getvalue()) // 2])\n"
+                    "        fh.flush()\n"
                     "        os.kill(os.getpid(), signal.SIGKILL)\n"
-                    "    return real_write_text(self, text, *args, **kwargs)\n"
-                    "pathlib.Path.write_text = write_half_then_die\n")
+                    "    return real_replace_with(path, half if path.name == 'run.json' else write, **kwargs)\n"
+                    "files.replace_with = write_half_then_die\n")
     killed = run_driver(die_half_way, [*args[:-1], "4", "--allow-changes"], tmp_path)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert run_json.read_text() == before

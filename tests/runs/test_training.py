@@ -19,14 +19,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import mnist_ddp
-from ddpkit import imagesets
-from ddpkit.checkpoints import read_checkpoint
+from ddpkit.data import imagesets
 from ddpkit.distributed import Runtime
 from ddpkit.options import RunOptions
+from ddpkit.run.checkpoints import read_checkpoint
+from ddpkit.run.runlog import HParams
 from helpers.images import load_params, make_image_folder, on_folder, read_metrics, read_results
 from helpers.processes import assert_ok, run_as_srun, run_single, run_torchrun
 
-HPARAMS = list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
+HPARAMS = list(HParams.of_run(mnist_ddp.Recipe(), batch_size=128, world_size=1, amp=False).values)
 
 SHORT = ["--epochs", "1", "--max-steps", "6", "--dropout", "0"]
 

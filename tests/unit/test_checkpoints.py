@@ -1,7 +1,6 @@
-"""ddpkit/checkpoints.py, at unit level with real files and torch.save/torch.load: atomic
-saves that fail for real (an object pickle refuses, a full tmpfs), the temporaries of saves
-that never finished, checkpoint names (by step, never by name; a user's copy under another
-name left alone), setting later checkpoints aside, rotation, the choice of the checkpoint to
+"""ddpkit/run/checkpoints.py, at unit level with real files and torch.save/torch.load (the
+atomic save itself: tests/unit/test_files.py): the temporaries of saves that never finished,
+checkpoint names (by step, never by name; a user's copy under another name left alone), setting later checkpoints aside, rotation, the choice of the checkpoint to
 resume from (damaged files, every field checked, other options, --allow-changes, --resume
 never), and loading one into a model and optimizer (shapes that differ, other classes or
 images, the hyperparameters given now). End to end, with real runs:
@@ -11,30 +10,29 @@ tests/runs/test_checkpoints_runs.py.
 """
 
 import dataclasses
-import errno
 import re
 import shutil
-import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from ddpkit.checkpoints import (
+from ddpkit.distributed import Runtime
+from ddpkit.launch import UsageError
+from ddpkit.run.checkpoints import (
     Progress,
+    RunState,
     checkpoint_differences,
     checkpoint_step,
     find_checkpoint,
     read_checkpoint,
     remove_stale_temporaries,
     resume_from,
-    save_atomic,
     save_checkpoint,
     set_aside_checkpoints,
 )
-from ddpkit.distributed import Runtime
-from ddpkit.launch import UsageError
 from helpers.checkpoints import BROKEN, names
 
 ONE = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
@@ -62,49 +60,10 @@ def save(run_dir, step: int, recipe: dict = RECIPE, keep: int = 10, state: dict 
         model, optimizer = model_and_optimizer()
         state = {"model": model, "optimizer": optimizer, "average": None}
     loss_sum = torch.zeros(2, dtype=torch.float64) if loss_sum is None else loss_sum
-    return save_checkpoint(run_dir, recipe, classes, state, ONE, Progress(epoch=1, step_in_epoch=step, step=step), loss_sum,
-                           keep, global_batch=128, shape=shape)
-
-
-# ----------------------------------------------------------------------------- save_atomic
-
-def test_save_atomic_writes_the_file_and_nothing_else(tmp_path):
-    save_atomic({"x": torch.arange(3)}, tmp_path / "a.pt")
-    assert names(tmp_path) == ["a.pt"]
-    assert torch.equal(torch.load(tmp_path / "a.pt")["x"], torch.arange(3))
-
-
-def test_a_failed_save_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
-    path = tmp_path / "ckpt-00000002.pt"
-    save_atomic({"step": 2}, path)
-    before = path.read_bytes()
-    with pytest.raises(Exception, match="pickle"):
-        save_atomic({"step": 4, "hook": lambda: None}, path)  # a lambda cannot be pickled
-    assert path.read_bytes() == before
-    assert names(tmp_path) == ["ckpt-00000002.pt"]
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A real 1 MB tmpfs (docs: /work/shared/notes/odd-cases.md), unmounted afterwards."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
-
-
-def test_a_save_that_fills_the_disk_names_the_file_and_cleans_up(full_disk):
-    path = full_disk / "ckpt-00000002.pt"
-    save_atomic({"step": 2}, path)
-    before = path.read_bytes()
-    with pytest.raises(OSError) as failed:
-        save_atomic({"weights": torch.zeros(500_000)}, path)  # 2 MB
-    assert (failed.value.errno, failed.value.filename) == (errno.ENOSPC, str(path))
-    assert path.read_bytes() == before
-    assert names(full_disk) == ["ckpt-00000002.pt"]
+    plan = SimpleNamespace(classes=classes, shape=shape, global_batch=128)  # (what a checkpoint records of a RunPlan)
+    run = RunState(state=state, progress=Progress(epoch=1, step_in_epoch=step, step=step), loss_sums=loss_sum,
+                   config=recipe)
+    return save_checkpoint(run_dir, plan, run, ONE, keep=keep)
 
 
 # ----------------------------------------------------------------------------- names, temporaries, setting aside

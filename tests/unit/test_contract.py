@@ -1,4 +1,4 @@
-"""The job's contract (ddpkit/contract.py), what the supervisor, the ranks and sweep.py agree
+"""The job's contract (ddpkit/job/contract.py), what the supervisor, the ranks and sweep.py agree
 on: that each variable and file they pass is spelled there alone, and that the side the
 contract says writes it and the side it says reads it each refer to it; that no rank
 imports the supervisor; the rules themselves (the rendezvous port, the ranks' codes, the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import (
+from ddpkit.job.contract import (
     JobEnv,
     JobPaths,
     continuing_args,
@@ -30,11 +30,11 @@ from helpers.processes import ROOT
 
 # ----------------------------------------------------------------------------- one name, two sides
 
-CONTRACT = ROOT / "ddpkit" / "contract.py"
+CONTRACT = ROOT / "ddpkit" / "job" / "contract.py"
 SIDES = {  # each side of the contract: its modules
     "supervisor": sorted((ROOT / "ddpkit" / "supervisor").glob("*.py")),
-    "ranks": [ROOT / "mnist_ddp.py"] + sorted(p for p in (ROOT / "ddpkit").glob("*.py")
-                                               if p.name not in ("contract.py", "sweeplines.py")),
+    "ranks": [ROOT / "mnist_ddp.py"] + sorted(p for p in (ROOT / "ddpkit").rglob("*.py")
+                                               if p.parent.name not in ("job", "supervisor")),
     "sweep": [ROOT / "sweep.py"],
 }
 SHELL_FILES = [ROOT / "run_training.sbatch", ROOT / "local-slurm.sh"]
@@ -65,7 +65,7 @@ def shell_form(value: str) -> str:
 
 def test_every_variable_and_file_the_sides_share_is_spelled_in_the_contract_alone():
     """Each MNIST_DDP_* variable and each file of the run directory and the job's folder is a
-    string in ddpkit/contract.py alone: every other module names it through JobEnv or
+    string in ddpkit/job/contract.py alone: every other module names it through JobEnv or
     JobPaths (a rank's file rank-<r> too, as an f-string or a glob)."""
     spelled = {value: f"{table}.{name}" for table, cls in TABLES.items() for name, value in names_of(cls).items()}
     assert len(spelled) == sum(len(names_of(cls)) for cls in TABLES.values()), "two names spell the same string"
@@ -81,6 +81,62 @@ def test_every_variable_and_file_the_sides_share_is_spelled_in_the_contract_alon
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if not line.lstrip().startswith("#"):
                 found += [f"{path.name}:{number}: {value}" for value in spelled if re.search(shell_form(value), line)]
+    assert found == []
+
+
+PRODUCT = [ROOT / "mnist_ddp.py", ROOT / "sweep.py"] + sorted((ROOT / "ddpkit").rglob("*.py"))
+# "job-" as a word's start: the prefix of a job's folder and code copy (not sbatch's --job-name).
+JOB_PREFIX = re.compile(r"(?<![\w-])job-")
+
+
+def outside_job_paths(tree: ast.AST) -> list:
+    """Every node of a module but those of the class JobPaths and the docstrings."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.ClassDef) and node.name == "JobPaths":
+            continue
+        found.append(node)
+        children = list(ast.iter_child_nodes(node))
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and literal_forms(body[0].value):
+            children.remove(body[0])
+        todo += children
+    return found
+
+
+def names_a_file(node: ast.AST) -> bool:
+    """Whether a node is a file name of JobPaths (JobPaths.REQUEUE, JobPaths.RANK_CODE.format(r))."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        node = node.func.value
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "JobPaths" \
+        and node.attr.isupper()
+
+
+def joins_a_file(node: ast.AST) -> bool:
+    """Whether a node joins a file name of JobPaths to a folder by hand: os.path.join, Path(),
+    joinpath or pathlib's /."""
+    if isinstance(node, ast.Call):
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        return func in ("join", "Path", "PurePath", "joinpath") and any(map(names_a_file, node.args))
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and (names_a_file(node.left)
+                                                                              or names_a_file(node.right))
+
+
+def test_no_path_of_the_job_is_joined_by_hand_and_job_is_spelled_once():
+    """Each file and folder of the run directory and of the job's folder is a path of JobPaths:
+    no module joins one of its file names to a folder itself, and "job-" (the prefix of a
+    job's folder and of its copy of the code) is a string in the class JobPaths alone
+    (docstrings and comments may say it)."""
+    found = []
+    for path in PRODUCT:
+        for node in outside_job_paths(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if joins_a_file(node):
+                found.append(f"{where}: joined by hand: {ast.unparse(node)}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and JOB_PREFIX.search(node.value):
+                found.append(f"{where}: {node.value!r}")
     assert found == []
 
 
@@ -103,20 +159,31 @@ def contract_functions() -> dict:
     return closed
 
 
+def holds_job_paths(node: ast.AST) -> bool:
+    """Whether a node is a JobPaths object: JobPaths(...), JobPaths.of_folder(...), or a name
+    that ends in `paths` (paths, s.paths, launch.paths)."""
+    if isinstance(node, ast.Call):
+        return ast.unparse(node.func) in ("JobPaths", "JobPaths.of_folder")
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return name.endswith("paths")
+
+
 def uses(tree: ast.AST, functions: set) -> set:
-    """The table names (JobEnv.ATTEMPT) and the functions of the contract (of `functions`) a
-    piece of code refers to."""
+    """The table names (JobEnv.ATTEMPT) and the functions of the contract (of `functions`, and
+    the paths of a JobPaths object: JobPaths.requeue) a piece of code refers to."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in TABLES:
             found.add(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Attribute) and holds_job_paths(node.value) and not node.attr.isupper():
+            found.add(f"JobPaths.{node.attr}")
         elif isinstance(node, ast.Name) and node.id in functions:
             found.add(node.id)
     return found
 
 
 def imported_from_contract(tree: ast.AST) -> set:
-    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.contract"
+    return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "ddpkit.job.contract"
             for alias in node.names}
 
 
@@ -175,18 +242,22 @@ def test_the_ranks_codes_are_read_by_rank_and_a_file_without_one_is_missing(tmp_
         (tmp_path / name).write_text(text)
     (tmp_path / "rank-10").mkdir()  # (not a file: unreadable)
     assert read_codes(str(tmp_path)) == {0: 0, 3: 75}
-    assert JobPaths.job_dir("/r", "7_1") == "/r/exit-codes/job-7_1"
+    assert JobPaths("/r", "7_1").job_dir == "/r/exit-codes/job-7_1"
+    assert JobPaths("/r", "7_1").rank_code(3) == "/r/exit-codes/job-7_1/rank-3"
+    assert JobPaths.of_folder("/x/job-7").requeue == "/x/job-7/requeue"
+    assert (JobPaths("/r", "7").code_copy, JobPaths("/r", "7").node_failures) == \
+        ("/r/code/job-7", "/r/exit-codes/node-failures-job-7")
 
 
 def test_the_runs_node_failure_records_are_listed_by_job_in_the_order_the_jobs_came(tmp_path):
     run_dir = tmp_path / "run"
-    assert JobPaths.node_failure_records(str(run_dir)) == []
+    assert JobPaths(str(run_dir)).node_failure_records() == []
     for job in ("10", "9", "12"):
-        Path(JobPaths.node_failures(str(run_dir), job)).parent.mkdir(parents=True, exist_ok=True)
-        Path(JobPaths.node_failures(str(run_dir), job)).write_text("n2\t1\tattempt 1, exit 4: why\n")
-    Path(JobPaths.job_dir(str(run_dir), "9")).mkdir()  # (a job's folder is no record)
-    assert JobPaths.node_failure_records(str(run_dir)) == [(job, JobPaths.node_failures(str(run_dir), job))
-                                                           for job in ("9", "10", "12")]
+        Path(JobPaths(str(run_dir), job).node_failures).parent.mkdir(parents=True, exist_ok=True)
+        Path(JobPaths(str(run_dir), job).node_failures).write_text("n2\t1\tattempt 1, exit 4: why\n")
+    Path(JobPaths(str(run_dir), "9").job_dir).mkdir()  # (a job's folder is no record)
+    assert JobPaths(str(run_dir)).node_failure_records() == [(job, JobPaths(str(run_dir), job).node_failures)
+                                                             for job in ("9", "10", "12")]
 
 
 @pytest.mark.parametrize("given, continued", [
@@ -209,8 +280,8 @@ def test_under_the_batch_file_the_advice_names_the_run_as_the_batch_file_does(tm
     """run_training.sbatch refuses --run-name after its file name: the advice that starts
     another run names RUN_NAME there (a job submitted with --resume never into a run that
     holds checkpoints)."""
-    from ddpkit.checkpoints import checkpoint_path, find_checkpoint
     from ddpkit.launch import UsageError
+    from ddpkit.run.checkpoints import checkpoint_path, find_checkpoint
     checkpoint_path(tmp_path, 40).parent.mkdir()
     checkpoint_path(tmp_path, 40).write_bytes(b"")
     monkeypatch.delenv(JobEnv.RESUBMIT, raising=False)

@@ -21,8 +21,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from ddpkit import recovery
-from ddpkit.checkpoints import Progress
 from ddpkit.distributed import (
     Runtime,
     amp_warning,
@@ -39,6 +37,8 @@ from ddpkit.distributed import (
 )
 from ddpkit.launch import UsageError, read_launch_env
 from ddpkit.options import RunOptions
+from ddpkit.run import recovery
+from ddpkit.run.checkpoints import Progress
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""ddpkit/doctor.py's facts about the machine: the interface and address a rank would use,
+"""ddpkit/run/doctor.py's facts about the machine: the interface and address a rank would use,
 and its CPU list, read from the kernel. `mnist_ddp.py --check` in real runs:
 tests/runs/test_doctor.py.
 
@@ -6,7 +6,7 @@ tests/runs/test_doctor.py.
 """
 
 
-from ddpkit.doctor import cpu_list, interface_address, interface_of
+from ddpkit.run.doctor import cpu_list, interface_address, interface_of
 
 
 def test_the_interface_facts_come_from_the_kernel():

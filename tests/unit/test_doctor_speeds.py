@@ -1,4 +1,4 @@
-"""ddpkit/doctor.py's verdict on the speeds that `mnist_ddp.py --check` measures: which rank,
+"""ddpkit/run/doctor.py's verdict on the speeds that `mnist_ddp.py --check` measures: which rank,
 node or pair of nodes is slower than 1.5 times the others, in every round of the timed steps
 and by more than a noise floor (each line with the sbatch --exclude that leaves the node out,
 never a one-node job's only node), and the rounds in which the nodes' first ranks time
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpkit import doctor
-from ddpkit.contract import EXIT_BUG, EXIT_NODE_FAULT
-from ddpkit.doctor import broken_lines, check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
+from ddpkit.job.contract import EXIT_BUG, EXIT_NODE_FAULT
+from ddpkit.run import doctor
+from ddpkit.run.doctor import broken_lines, check_code, pair_rounds, slow_lines, slower_than_the_others, speed_figures
 
 FAST = 0.02  # seconds of an exchange on a healthy link
 
@@ -180,7 +180,7 @@ def test_only_ranks_whose_nodes_gpu_failed_them_get_the_exclude_of_their_nodes()
     assert faulty == ("check failed: ranks 2, 3 (on b) cannot run a training step for a fault of their GPUs (the line "
                       "above from each says why); leave the node out, sbatch --exclude=b, or report it to the site")
     assert other == ("check failed: rank 0 (on a) cannot run a training step (the line above from each says why): an "
-                     "error of the recipe's step (mnist_ddp.py's check_step and the model it builds) or of the environment, "
+                     "error of the recipe's step (its build_model, build_optimizer or train_step) or of the environment, "
                      "which another node would not fix; fix it, and run the check again")
     assert ["--exclude" in line for line in broken_lines([0, 1, 2, 3], [], nodes)] == [False]
     assert broken_lines([], [], nodes) == []

@@ -212,7 +212,7 @@ def exit_codes_of_the_manual() -> set[str]:
 
 
 def test_the_readme_table_lists_every_exit_code_the_manual_and_launch_define():
-    from ddpkit import contract
+    from ddpkit.job import contract
     defined = {str(value) for name, value in vars(contract).items() if name.startswith("EXIT_")}
     in_manual = exit_codes_of_the_manual()
     assert defined <= in_manual, f"--help lacks {defined - in_manual}"
@@ -245,11 +245,11 @@ def requirements(name: str) -> set[str]:
 
 def test_requirements_name_every_package_the_code_imports():
     """requirements.txt names every package the code imports; the trackers' packages, which
-    only ddpkit/trackers.py imports (when asked for), requirements-dev.txt names instead."""
+    only ddpkit/run/trackers.py imports (when asked for), requirements-dev.txt names instead."""
     local = {"ddpkit", "mnist_ddp", "sweep"}
     distribution = {"PIL": "pillow"}  # an import name that is not its package's
     imported, optional = set(), set(TRACKER_PACKAGES.values())
-    for path in [ROOT / "mnist_ddp.py", ROOT / "sweep.py", *(ROOT / "ddpkit").glob("*.py")]:
+    for path in [ROOT / "mnist_ddp.py", ROOT / "sweep.py", *(ROOT / "ddpkit").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = {alias.name.split(".")[0] for alias in node.names}
@@ -291,7 +291,8 @@ def test_what_it_does_md_and_evaluates_docstring_count_its_all_reduces():
     reader of the page counts on), and so does evaluate's docstring."""
     tree = ast.parse((ROOT / "mnist_ddp.py").read_text())
     evaluate = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "evaluate")
-    calls = [node for node in ast.walk(evaluate) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "all_reduce"]
+    calls = [node for node in ast.walk(evaluate) if isinstance(node, ast.Call)
+             and (getattr(node.func, "id", "") == "all_reduce" or getattr(node.func, "attr", "") == "all_reduce")]
     said = {1: "one all-reduce", 2: "two all-reduces", 3: "three all-reduces"}[len(calls)]
     bullet = (ROOT / "docs" / "what-it-does.md").read_text().split("**Evaluation is exact.**", 1)[1].split("\n- ", 1)[0]
     assert said in " ".join(bullet.split()), bullet
@@ -299,15 +300,15 @@ def test_what_it_does_md_and_evaluates_docstring_count_its_all_reduces():
 
 
 def test_tensorboard_md_lists_the_hparams_columns_in_the_order_they_are_declared():
-    """tensorboard.md's HPARAMS row names the options in the order mnist_ddp.hparams declares
+    """tensorboard.md's HPARAMS row names the options in the order HParams.of_run declares
     them, and those it shows first outside a sweep as SHOWN_FIRST orders them."""
     import mnist_ddp
-    from ddpkit.options import RunOptions
+    from ddpkit.run.runlog import SHOWN_FIRST, HParams
     row = next(line for line in (ROOT / "docs" / "tensorboard.md").read_text().splitlines() if line.startswith("| HPARAMS |"))
     declared = row.split("every option of the recipe", 1)[1].split("; against", 1)[0]
-    assert re.findall(r"`(\w+)`", declared) == list(mnist_ddp.hparams(mnist_ddp.Recipe(), RunOptions(), 1).values)
+    assert re.findall(r"`(\w+)`", declared) == list(HParams.of_run(mnist_ddp.Recipe(), batch_size=128, world_size=1, amp=False).values)
     first = row.split("(else ", 1)[1].split(")", 1)[0]
-    assert tuple(re.findall(r"`(\w+)`", first)) == mnist_ddp.SHOWN_FIRST
+    assert tuple(re.findall(r"`(\w+)`", first)) == SHOWN_FIRST
 
 
 def test_tests_md_counts_the_unit_tests_that_the_fast_tier_leaves_out():

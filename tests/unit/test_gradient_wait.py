@@ -9,7 +9,7 @@ tests/runs/test_profiling.py.
 
 
 from ddpkit.distributed import gradient_wait
-from ddpkit.training_run import MOSTLY_WAITING
+from ddpkit.run.training_run import MOSTLY_WAITING
 
 # DDP's runtime statistics (DistributedDataParallel._get_ddp_logging_data(), times in ns) as
 # real 2-rank Gloo runs on 2 CPU cores gave them: a 784-512-512-10 network at 4 images a rank

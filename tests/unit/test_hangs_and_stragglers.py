@@ -1,4 +1,4 @@
-"""ddpkit/hangs.py and ddpkit/stragglers.py at unit level: a rank stopped or gone is named
+"""ddpkit/hangs.py and ddpkit/run/stragglers.py at unit level: a rank stopped or gone is named
 from outside (/proc of a real stopped process), the verdict names each rank behind and how
 it was seen, the innermost frame of the recipe or the kit is read from a real faulthandler
 dump, code outside the project and torch is named, a hook on autograd's own thread is joined
@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from ddpkit import hangs, stragglers
+from ddpkit import hangs
+from ddpkit.files import replace_json
+from ddpkit.run import stragglers
 
 
 def test_a_stopped_or_gone_process_is_named_from_outside():
@@ -45,10 +47,10 @@ def test_the_verdict_names_each_rank_behind_and_how_it_was_seen():
     peers = [hangs.Peer(0, "a", 10), hangs.Peer(1, "a", 11), hangs.Peer(2, "b", 12), hangs.Peer(3, "c", 13)]
     summaries = {0: {"rank": 0, "step": 7, "waiting": "the agreement", "where": "mnist_ddp.py:1 in train"},
                  1: {"rank": 1, "host": "a", "outside": "stopped (state T, ...)"},
-                 2: {"rank": 2, "step": 6, "waiting": "", "where": "ddpkit/imagesets.py:9 in batches"}}
+                 2: {"rank": 2, "step": 6, "waiting": "", "where": "ddpkit/data/imagesets.py:9 in batches"}}
     line = hangs.verdict_line(summaries, peers, 12.4, Path("/r/hangs/x"))
     assert line == ("hang after step 6: rank 1 on a is stopped (state T, ...); rank 2 on b is at "
-                    "ddpkit/imagesets.py:9 in batches; rank 3 on c: no answer; rank(s) 0 wait for it in the agreement "
+                    "ddpkit/data/imagesets.py:9 in batches; rank 3 on c: no answer; rank(s) 0 wait for it in the agreement "
                     "for 12 s; every rank's stacks: /r/hangs/x")
     # (the ranks it names, which the job's supervisor pins the failure on by their nodes)
     assert [peer.rank for peer in hangs.not_waiting(summaries, peers)] == [1, 2, 3]
@@ -89,13 +91,13 @@ def test_every_rank_waiting_in_one_collective_in_training_gets_a_line_that_names
         watch = hangs.HangWatch(rank=0, peers=[hangs.Peer(0, socket.gethostname(), os.getpid()), peers[1]],
                                 folder=folder, hang_after=10, roots=(hangs.KIT,), stream=stream, named=named.append)
         watch.arm_faulthandler()
-        hangs.write_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
-        before = hangs._step[0]
-        hangs._step[0] = step
+        replace_json(folder / "rank-1.json", {**both[1], "host": "b", "step": step, "time": time.time()})
+        before = hangs.main_thread.step
+        hangs.main_thread.step = step
         try:
             watch.report(label, time.monotonic() - 12, hangs.WAITS)
         finally:
-            hangs._step[0] = before
+            hangs.main_thread.step = before
             watch.stop()
         return stream.getvalue(), named
 
@@ -197,16 +199,16 @@ def test_a_hang_report_that_resolved_is_taken_back_once_a_step_finishes_after_it
     peer's error ends the wait too, and then the verdict stands."""
     taken_back = []
     watch = hangs.HangWatch(rank=0, peers=[], folder=tmp_path, hang_after=10, roots=(), resolved=lambda: taken_back.append(1))
-    before = hangs._step[0]
+    before = hangs.main_thread.step
     try:
-        hangs._step[0] = 6
+        hangs.main_thread.step = 6
         watch.forget_a_resolved_hang()  # (no verdict yet)
         watch.named_after = 6  # (as a verdict that named ranks after step 6 leaves it)
         watch.forget_a_resolved_hang()
         assert taken_back == []
-        hangs._step[0] = 7
+        hangs.main_thread.step = 7
         watch.forget_a_resolved_hang()
         watch.forget_a_resolved_hang()
         assert taken_back == [1] and watch.named_after is None
     finally:
-        hangs._step[0] = before
+        hangs.main_thread.step = before

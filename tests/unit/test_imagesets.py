@@ -1,4 +1,4 @@
-"""ddpkit/imagesets.py on real files: image folders written with PIL into tmp_path, the
+"""ddpkit/data/imagesets.py on real files: image folders written with PIL into tmp_path, the
 bundled MNIST sample staged as the script stages it, real DataLoaders with real worker
 processes, and a folder that is read-only for real (a read-only bind mount in a private
 mount namespace). It proves that the streamed feed gives bit for bit the pixels of the
@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ddpkit.distributed import Runtime
-from ddpkit.imagesets import (
+from ddpkit.data.imagesets import (
     STATS_FILE,
     ImageSet,
     choose_feed,
@@ -37,8 +36,9 @@ from ddpkit.imagesets import (
     read_splits,
     shift_images,
 )
+from ddpkit.data.staging import MNIST_SAMPLE, stage_dataset
+from ddpkit.distributed import Runtime
 from ddpkit.launch import UsageError
-from ddpkit.staging import MNIST_SAMPLE, stage_dataset
 from helpers.processes import ROOT, clean_env
 
 CPU = torch.device("cpu")
@@ -246,7 +246,7 @@ def test_read_only_folder_loads_with_one_warning(tmp_path):
     expected, _ = load_folder(tmp_path, "memory")
     (tmp_path / STATS_FILE).unlink()
     code = ("import sys, torch; from pathlib import Path; from ddpkit.distributed import Runtime; "
-            "from ddpkit.imagesets import read_splits; one = Runtime(0, 0, 1, torch.device('cpu'), 'none', True); "
+            "from ddpkit.data.imagesets import read_splits; one = Runtime(0, 0, 1, torch.device('cpu'), 'none', True); "
             "train, test = read_splits('folder', Path(sys.argv[1]), 'stream', one, 1); "
             "print(len(train), len(test), train.shape, train.mean)")
     script = (f'mount --bind {tmp_path} {tmp_path} && mount -o remount,bind,ro {tmp_path} && '

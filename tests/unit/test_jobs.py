@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
-from ddpkit.jobs import continue_command, failure, launcher_words, world_sizes
+from ddpkit.job.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
+from ddpkit.jobs import continue_command, failure, launcher_words
 from ddpkit.launch import Launch
 from ddpkit.options import RunOptions, parse_options
+from ddpkit.run.training_run import world_sizes
 from mnist_ddp import Recipe
 
 SINGLE = Launch("single", 0, 0, 1, "127.0.0.1", 0, "", 0)
@@ -112,8 +113,8 @@ def test_the_world_sizes_rank_0_lists_are_those_the_recipe_splits_its_batch_amon
     """The recipe's own rule decides: its global batch of 96 splits among 1, 2, 3, 4, 6 and 8
     of 8 ranks; under --batch-size N per rank any other number of ranks changes the global
     batch, so none but the run's own goes on with the same batches."""
-    assert world_sizes(Recipe(global_batch=96).per_rank_batch, 8) == [1, 2, 3, 4, 6, 8]
-    assert world_sizes(Recipe(batch_size=5).per_rank_batch, 5) == [5]
+    assert world_sizes(96, 0, 8) == [1, 2, 3, 4, 6, 8]
+    assert world_sizes(128, 5, 5) == [5]
 
 
 def test_a_fault_of_the_ranks_node_is_exit_5_a_lost_peer_4_and_a_bug_1():

@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_STOPPED, JobEnv, JobPaths, port_from_job_id
+from ddpkit.job.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_STOPPED, JobEnv, JobPaths, port_from_job_id
 from ddpkit.launch import (
     Launch,
     StopSignals,
@@ -27,7 +27,7 @@ from ddpkit.launch import (
     unfixable_exit,
     write_exit_file,
 )
-from ddpkit.time_limit import JobTimes, TimeLimit
+from ddpkit.run.time_limit import JobTimes, TimeLimit
 
 SRUN_TASK = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
              "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8"}
@@ -350,11 +350,11 @@ def test_each_rank_leaves_its_exit_code_in_the_exit_folder(tmp_path):
     launch = Launch("torchrun", 1, 1, 2, "a", 1, "", 0, exit_dir=str(tmp_path / "exits" / "job-7"))
     record_exit(EXIT_LOST_PEER, launch)
     assert (tmp_path / "exits" / "job-7" / "rank-1").read_text() == "4\n"
-    write_exit_file(launch, "continue-command", "python mnist_ddp.py\n")
+    write_exit_file(launch, launch.paths.continue_command, "python mnist_ddp.py\n")
     assert sorted(p.name for p in (tmp_path / "exits" / "job-7").iterdir()) == ["continue-command", "rank-1"]
     record_exit(EXIT_BUG, None)  # before the launch was read: nowhere to write
     nowhere = Launch("single", 0, 0, 1, "a", 0, "", 0)
-    write_exit_file(nowhere, "rank-0", "1\n")
+    write_exit_file(nowhere, nowhere.paths.rank_code(0), "1\n")
     record_exit(EXIT_BUG, nowhere)
     assert list(tmp_path.iterdir()) == [tmp_path / "exits"]
     # A folder that cannot be written (here: a file in the way) loses the code, not the exit.

@@ -1,4 +1,4 @@
-"""ddpkit/staging.py's node-local copy of an image folder: it carries the cached statistics,
+"""ddpkit/data/staging.py's node-local copy of an image folder: it carries the cached statistics,
 follows changes (copied again once the folder changed), follows symlinks and refuses a loop.
 Staging for real over HTTP: tests/runs/test_staging.py.
 
@@ -16,9 +16,9 @@ def test_image_folder_copy_to_the_node_carries_the_statistics_and_follows_change
     """--node-data-dir with --dataset folder: the first copy brings train/, test/ and the
     cached statistics (so no node measures the pixels again); an unchanged folder is not
     copied twice; a folder that changed since (an image added) is copied anew."""
+    from ddpkit.data.imagesets import read_splits
+    from ddpkit.data.staging import STATS_FILE, copy_folder
     from ddpkit.distributed import Runtime
-    from ddpkit.imagesets import read_splits
-    from ddpkit.staging import STATS_FILE, copy_folder
     one = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
     shared = make_image_folder(tmp_path / "shared", {"train": 2, "test": 1}, size=8)
     read_splits("folder", shared, "memory", one, 1)  # measures once, caching beside the data
@@ -38,8 +38,8 @@ def test_image_folder_copy_to_the_node_carries_the_statistics_and_follows_change
 def test_node_local_copy_of_an_image_folder_follows_symlinks_but_refuses_a_loop(tmp_path):
     """The copy walks the folder as training lists it: a symlinked image is copied as a file,
     a symlink loop is refused by name before anything is copied."""
+    from ddpkit.data.staging import copy_folder
     from ddpkit.launch import UsageError
-    from ddpkit.staging import copy_folder
     shared, local = make_image_folder(tmp_path / "shared", {"train": 1, "test": 1}, size=8), tmp_path / "node"
     (shared / "train" / "row" / "linked.png").symlink_to(shared / "test" / "row" / "000.png")
     assert copy_folder(shared, local) is True

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import mnist_ddp
-from ddpkit import imagesets
-from ddpkit.checkpoints import load_optimizer
+from ddpkit.data import imagesets
 from ddpkit.distributed import Runtime
 from ddpkit.options import RunOptions
+from ddpkit.run.checkpoints import load_optimizer
 
 
 def global_batches(n: int, epoch: int, world_size: int, batch_size: int) -> list[list[tuple[int, int, int]]]:
@@ -149,21 +149,23 @@ def test_build_training_makes_the_model_its_average_and_adamw_as_the_recipe_says
     split = imagesets.ImageSet(torch.tensor([0, 1, 2]), torch.zeros(3, 1, 12, 12, dtype=torch.uint8), None, ("a", "b", "c"),
                                (0.0,), (1.0,))
     rt = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
-    model, raw_model, optimizer, average = mnist_ddp.build_training(recipe, RunOptions(), rt, split)
+    training = mnist_ddp.build_training(recipe, RunOptions(), rt, split)
+    wrapped, raw_model, optimizer, average = training.wrapped, training.model, training.optimizer, training.average
     after = torch.rand(3)
     torch.manual_seed(3)
     expected = mnist_ddp.build_model(recipe, (1, 12, 12), 3)
     torch.manual_seed(3 + 0)
     assert torch.equal(after, torch.rand(3))
-    assert model is raw_model and raw_model.state_dict().keys() == expected.state_dict().keys()
+    assert wrapped is raw_model and training.scored is average.model and raw_model.state_dict().keys() == expected.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(raw_model.state_dict().values(), expected.state_dict().values(), strict=True))
     assert average.decay == 0.9 and average.model is not raw_model
     assert all(torch.equal(a, b) for a, b in zip(average.model.parameters(), raw_model.parameters(), strict=True))
     assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
     assert [(g["lr"], g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [(2e-3, (0.9, 0.99), 1e-4)]
     assert optimizer.param_groups[0]["params"] == list(raw_model.parameters())
-    compiled, raw, _, none = mnist_ddp.build_training(dataclasses.replace(recipe, ema=0.0),
-                                                      RunOptions(compile=True, channels_last=True), rt, split)
-    assert none is None and compiled is not raw and compiled._orig_mod is raw
+    other = mnist_ddp.build_training(dataclasses.replace(recipe, ema=0.0), RunOptions(compile=True, channels_last=True), rt,
+                                     split)
+    compiled, raw = other.wrapped, other.model
+    assert other.average is None and other.scored is raw and compiled is not raw and compiled._orig_mod is raw
     assert raw.features[2].weight.is_contiguous(memory_format=torch.channels_last)  # (64 x 16 x 3 x 3)
     assert not raw_model.features[2].weight.is_contiguous(memory_format=torch.channels_last)

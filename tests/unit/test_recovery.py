@@ -1,4 +1,4 @@
-"""ddpkit/recovery.py at unit level: which errors mean a lost peer, --ckpt-minutes with a fake
+"""ddpkit/run/recovery.py at unit level: which errors mean a lost peer, --ckpt-minutes with a fake
 clock, two real Gloo ranks that agree on a checkpoint due by time and name a lost peer, the
 per-step agreement that lands one step later on every rank, and torchrun's workers hiding
 unfixable codes from the agent (which outcomes the job retries: tests/unit/test_supervisor_outcome.py).
@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpkit import checkpoints, distributed, recovery
+from ddpkit import distributed
 from ddpkit.launch import StopSignals, exit_status, read_launch_env, unfixable_exit
+from ddpkit.run import checkpoints, recovery
 
 # ----------------------------------------------------------------------------- unit level
 

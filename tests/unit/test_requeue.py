@@ -1,6 +1,6 @@
-"""ddpkit/jobs.py's requeue_slurm_job with a stand-in scontrol (helpers.scontrol): a missing,
-failing or hanging scontrol means "not requeued", not a crash; a refused requeue is not
-claimed; one Slurm accepts is announced before it and claimed; a job Slurm would not
+"""ddpkit/job/contract.py's requeue_job (rank 0's and the supervisor's) with a stand-in
+scontrol (helpers.scontrol): a missing, failing or hanging scontrol means "not requeued",
+not a crash; a refused requeue is not claimed; one Slurm accepts is announced before it and claimed; a job Slurm would not
 requeue is not asked, and the output says why at once. The printed lines in real runs:
 tests/runs/test_continue.py.
 
@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import contract
-from ddpkit.jobs import requeue_slurm_job
-from ddpkit.launch import Launch
+from ddpkit.job import contract
 from helpers.scontrol import REQUEUEABLE, fake_scontrol, refusing_scontrol
 
 
@@ -23,15 +21,14 @@ def test_scontrol_failure_means_not_requeued(tmp_path, monkeypatch, capsys, body
     for name, value in fake_scontrol(tmp_path / "bin", body).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(contract, "SCONTROL_TIMEOUT", 1.0)
-    launch = Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "77", 1)
-    assert requeue_slurm_job(launch) is False
+    assert contract.requeue_job("77") is False
     assert "could not requeue Slurm job 77 (scontrol: " in capsys.readouterr().out
 
 
 def test_a_refused_requeue_is_not_claimed(tmp_path, monkeypatch, capsys):
     for name, value in refusing_scontrol(tmp_path / "bin").items():
         monkeypatch.setenv(name, value)
-    assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+    assert contract.requeue_job("99") is False
     assert "could not requeue Slurm job 99 (scontrol requeue: scontrol: error: Requested operation is presently " \
            "disabled for job 99)" in capsys.readouterr().out
 
@@ -62,7 +59,7 @@ def test_a_requeue_that_slurm_accepts_is_announced_before_it_and_claimed(tmp_pat
     calls = recording_scontrol(tmp_path / "bin", output, REQUEUEABLE)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     with job_output(output):
-        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is True
+        assert contract.requeue_job("99") is True
     assert calls.read_text() == "show job -o 99\nrequeue 99\n"
     assert (tmp_path / "bin" / "output-at-requeue").read_text() == \
         "requeueing Slurm job 99; it resumes from its last checkpoint\n"
@@ -80,7 +77,7 @@ def test_a_job_that_slurm_would_not_requeue_is_not_asked_and_the_output_says_why
     calls = recording_scontrol(tmp_path / "bin", output, job_line)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     with job_output(output) as printed:
-        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert contract.requeue_job("99") is False
         assert printed() == line + "\n"
     assert calls.read_text() == "show job -o 99\n"
 
@@ -92,7 +89,7 @@ def test_a_job_scontrol_cannot_show_is_not_requeued_and_its_error_is_named(tmp_p
                                     'specified" >&2; exit 1')
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     with job_output(output) as printed:
-        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert contract.requeue_job("99") is False
         assert printed() == "could not requeue Slurm job 99 (scontrol show job: slurm_load_jobs error: Invalid job id " \
                             "specified)\n"
     assert calls.read_text() == "show job -o 99\n"
@@ -112,7 +109,7 @@ def test_a_requeue_that_fails_is_not_claimed_and_the_output_says_why_at_once(tmp
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.setattr(contract, "SCONTROL_TIMEOUT", 1.0)
     with job_output(output) as printed:
-        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert contract.requeue_job("99") is False
         assert printed() == f"requeueing Slurm job 99; it resumes from its last checkpoint\n{line}\n"
 
 
@@ -121,8 +118,8 @@ def test_no_job_id_or_no_scontrol_means_not_requeued_and_nothing_asked(tmp_path,
     calls = recording_scontrol(tmp_path / "bin", output, REQUEUEABLE)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     with job_output(output) as printed:
-        assert requeue_slurm_job(Launch("single", 0, 0, 1, "127.0.0.1", 12345, "", 1)) is False
+        assert contract.requeue_job("") is False
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-        assert requeue_slurm_job(Launch("slurm", 0, 0, 2, "127.0.0.1", 12345, "99", 1)) is False
+        assert contract.requeue_job("99") is False
         assert printed() == ""
     assert not calls.exists()

@@ -1,4 +1,4 @@
-"""ddpkit/training_run.py's plan_run alone, a pure function: the batch geometry and the
+"""ddpkit/run/training_run.py's plan_run alone, a pure function: the batch geometry and the
 learning-rate schedule's place and length of a new run, of one resumed in mid-epoch on its
 own global batch, of one resumed under another global batch (whose epoch starts again while
 the step count goes on), and under the --max-steps cap; the plan cannot be changed.
@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from ddpkit.checkpoints import Progress
-from ddpkit.training_run import RunPlan, plan_run
+from ddpkit.run.checkpoints import Progress
+from ddpkit.run.training_run import RunPlan, plan_run
 
 DIGITS = tuple("0123456789")
 

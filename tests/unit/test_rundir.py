@@ -1,4 +1,4 @@
-"""ddpkit/rundir.py: the run's directory as rank 0 chooses it (--run-dir, LOG_DIR/RUN_NAME,
+"""ddpkit/run/rundir.py: the run's directory as rank 0 chooses it (--run-dir, LOG_DIR/RUN_NAME,
 the Slurm job's, or a new one named by the time, which two runs started in the same second
 never share), and RunClaim, the hold on it: a second claim from another process (a real
 forked process holding the lock) is refused with a line that names the holder, release
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import rundir
 from ddpkit.launch import Launch
 from ddpkit.options import RunOptions
-from ddpkit.rundir import RunClaim, RunDirTaken, choose_run_dir
+from ddpkit.run import rundir
+from ddpkit.run.rundir import RunClaim, RunDirTaken, choose_run_dir
 
 ALONE = Launch("single", 0, 0, 1, "127.0.0.1", 0, "", 0)
 IN_A_JOB = Launch("slurm", 0, 0, 2, "node01", 11234, "1234", 0)

@@ -1,4 +1,4 @@
-"""ddpkit/runlog.py's pieces that need no run: the pictures TensorBoard shows (the confusion
+"""ddpkit/run/runlog.py's pieces that need no run: the pictures TensorBoard shows (the confusion
 matrix for 1, 3 and 40 classes, captioned grids of 1- and 3-channel test images),
 metrics.jsonl read past a line that a crash cut short, and the HParams experiment, declared
 once per log directory and, when that directory is read-only (a real read-only bind mount
@@ -21,7 +21,7 @@ import torch
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
-from ddpkit.runlog import HParams, confusion_picture, declare_hparams, labelled_grid, read_metrics_tolerantly
+from ddpkit.run.runlog import HParams, confusion_picture, declare_hparams, labelled_grid, read_metrics_tolerantly
 
 HPARAMS = HParams({"lr": 0.003, "batch_size": 128, "model": "cnn", "amp": False}, first=("lr",),
                   choices={"model": ("cnn", "mlp", "resnet18")})

@@ -12,7 +12,7 @@ import itertools
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mnist_ddp
-from ddpkit import training_run
+from ddpkit.run import training_run
 
 # The operations a step dispatches outside forward, backward and the optimizer, one process
 # on the CPU: the batch (one indexing of the shifted windows), normalising (subtract, divide),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import JobEnv, JobPaths
+from ddpkit.job.contract import JobEnv, JobPaths
 from ddpkit.supervisor.main import Supervisor
 from ddpkit.supervisor.outcome import Outcome
 from helpers.cluster import SBATCH_FILE
@@ -50,12 +50,12 @@ def test_the_supervisor_goes_on_with_the_nodes_scontrol_shows_or_says_why_it_can
     monkeypatch.setenv("PATH", scontrol_showing(tmp_path / "one", LINE + " NumNodes=1 NodeList=n1"))
     assert supervisor.nodes_held_now(killed) == (": the job holds 1 of its 2 nodes (n1), so on 1 node(s) with 2 rank(s) "
                                                  "instead of 4")
-    assert (supervisor.s.nodes, supervisor.s.ntasks) == (1, 2)
+    assert (supervisor.step.nodes, supervisor.step.ntasks, supervisor.s.nodes) == (1, 2, 2)
     whole = Supervisor(settings(tmp_path), LINE, "/code/ddpkit/supervisor/main.py")
     assert whole.nodes_held_now(killed) is None
     assert ("requeueing Slurm job 77 after exit 137: the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 "
             "(unset: every node of the job); it resumes") in capsys.readouterr().out
-    assert killed.why.endswith("and it was not requeued") and (whole.s.nodes, whole.s.ntasks) == (2, 4)
+    assert killed.why.endswith("and it was not requeued") and (whole.step.nodes, whole.step.ntasks) == (2, 4)
     weak = Supervisor(settings(tmp_path, MIN_NODES="1"), LINE, "/code/ddpkit/supervisor/main.py")
     os.makedirs(weak.s.job_dir, exist_ok=True)
     Path(weak.s.job_dir, JobPaths.WORLD_SIZES).write_text("4\n")  # (--batch-size per rank: 4 ranks alone keep it)
@@ -80,14 +80,14 @@ def test_what_the_host_runs_needs_nothing_newer_than_python_3_6():
     vermin reads them."""
     assert 'exec python3 "$project/ddpkit/supervisor/main.py" supervise' in SBATCH_FILE.read_text()
     result = subprocess.run([str(BIN / "vermin"), "--target=3.6-", "--no-tips", "--violations", "ddpkit/supervisor",
-                             "ddpkit/contract.py", "ddpkit/sweeplines.py"], cwd=ROOT, capture_output=True, text=True,
+                             "ddpkit/job"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     imports = subprocess.run(["python3", "-c", "import sys; import ddpkit.supervisor.main; "
                               "print(sorted(m for m in sys.modules if m.startswith('ddpkit')))"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     wing = [f"ddpkit.supervisor.{path.stem}" for path in (ROOT / "ddpkit" / "supervisor").glob("[!_]*.py")]
-    assert imports.stdout.strip() == str(sorted(["ddpkit", "ddpkit.contract", "ddpkit.supervisor", "ddpkit.sweeplines",
+    assert imports.stdout.strip() == str(sorted(["ddpkit", "ddpkit.job", "ddpkit.job.contract", "ddpkit.supervisor", "ddpkit.job.sweeplines",
                                                  *wing])), imports.stderr
 
 

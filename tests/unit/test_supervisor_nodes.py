@@ -1,8 +1,8 @@
 """The job leaves a bad node out (ddpkit/supervisor/nodes.py and the supervisor's use of it),
 without Slurm: which node a failure is pinned on, from the files the ranks leave (a hang
 report's named rank, a rank killed by a signal, a rank whose node failed it, a node the job
-lost), and what pins nothing (a bug, a lost peer alone, a failure on every node); then the
-supervisor run as run_training.sbatch hands over to it, with a stand-in srun whose steps
+lost), and what pins nothing (a bug, a lost peer alone, a failure on every node); which step
+comes next (next_step, first_step), from plain values; then the supervisor run as run_training.sbatch hands over to it, with a stand-in srun whose steps
 leave those files and a stand-in scontrol: a node pinned twice is left out, once; the step
 starts again on the job's other nodes when MIN_NODES allows, else the job is requeued with
 the node in its ExcNodeList; the line after END excludes it. The same on a real Slurm:
@@ -17,22 +17,30 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import JobEnv, JobPaths
+from ddpkit.job.contract import JobEnv, JobPaths
 from ddpkit.supervisor.nodes import (
+    Held,
+    Next,
     Pin,
+    Step,
     Usable,
     cannot_keep_off_line,
     failure_pins,
+    first_step,
     kept_off,
     leave_out_line,
     left_out,
+    next_step,
     ranks_on_two_nodes,
     read_pins,
     record_pins,
+    step_nodes,
+    step_pins,
     usable_nodes,
     with_excluded,
 )
 from ddpkit.supervisor.outcome import Outcome
+from ddpkit.supervisor.settings import Settings
 from helpers.pages import assert_quoted_whole
 from helpers.processes import clean_env
 from helpers.supervisor import LINE, stand_in_project
@@ -73,6 +81,22 @@ def test_which_node_a_failure_is_pinned_on(tmp_path, files, outcome, pins):
     assert failure_pins(str(leave(tmp_path / "job", files)), outcome, ["n1", "n2", "n3"]) == pins
 
 
+HANG = Pin("1", "a hang report named rank 1 on it")
+LOST = Pin("", "the job lost it (Slurm took it from the job)")
+
+
+@pytest.mark.parametrize("pins, step, held, job_nodes, kept", [
+    ({"n2": HANG}, ["n1", "n2"], ["n1", "n2"], ["n1", "n2"], {"n2": HANG}),
+    ({"n2": HANG}, ["n1", "n2"], ["n1"], ["n1", "n2"], {"n2": LOST}),  # (lost: the hang was its loss)
+    ({}, ["n1", "n2"], ["n1"], ["n1", "n2"], {"n2": LOST}),
+    ({}, ["n1", "n2"], [], ["n1", "n2"], {}),  # (the nodes held unknown: none lost)
+    ({"c9b2e": HANG}, ["c7f3a", "c9b2e"], ["n1"], ["n1", "n2"], {}),  # (names not the job's: none)
+    ({"c9b2e": HANG}, ["c7f3a", "c9b2e"], [], [], {"c9b2e": HANG}),  # (the job's nodes unknown: as named)
+])
+def test_a_steps_pins_are_on_the_jobs_own_nodes_and_on_those_it_lost(pins, step, held, job_nodes, kept):
+    assert step_pins(pins, step=step, held=held, job_nodes=job_nodes) == kept
+
+
 def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder(tmp_path):
     record = str(tmp_path / "runs" / "r" / JobPaths.JOB_DIRS / JobPaths.NODE_FAILURES.format("77"))
     assert read_pins(record) == {} and left_out(read_pins(record)) == []
@@ -86,6 +110,87 @@ def test_a_node_pinned_twice_is_left_out_and_the_record_outlives_the_jobs_folder
         "rank 1 on it; attempt 2, exit 137: a hang report named rank 1 on it)")
     assert with_excluded("(null)", ["n2"]) == "n2"
     assert with_excluded("gpu[3-4],n2", ["n2", "n5"]) == "gpu[3-4],n2,n5"  # (yours kept, each node once)
+
+
+# ----------------------------------------------------------------------------- which step comes next, as data
+
+def job(nodes: int, *, min_nodes: int = 0, per_node: int = 1) -> Settings:
+    """The settings next_step and first_step read: the job's nodes and ranks, MIN_NODES (0: unset)."""
+    s = Settings()
+    s.nodes, s.ntasks, s.tasks_per_node = nodes, nodes * per_node, per_node
+    s.min_nodes, s.min_nodes_set = min_nodes or nodes, bool(min_nodes)
+    return s
+
+
+WHOLE3 = Step(3, 3, (), "")
+HELD3 = Held(3, "n[1-3]", ["n1", "n2", "n3"])
+
+
+@pytest.mark.parametrize("s, step, held, left, world_sizes, again, kept, after", [
+    pytest.param(job(3), WHOLE3, Held(3, "n[1-3]", []), [], [1, 3], False, None, Next(WHOLE3, "", "", False),
+                 id="every node held: the same step"),
+    pytest.param(job(2, min_nodes=1, per_node=2), Step(2, 4, (), ""), Held(1, "n1", []), [], [1, 2, 4], False, None,
+                 Next(Step(1, 2, (), ""), ": the job holds 1 of its 2 nodes (n1), so on 1 node(s) with 2 rank(s) instead of 4",
+                      "", False), id="a lost node, MIN_NODES=1: on the node left"),
+    pytest.param(job(2, per_node=2), Step(2, 4, (), ""), Held(1, "n1", []), [], [1, 2, 4], False, None,
+                 Next(None, "", "the job holds 1 of its 2 nodes (n1), fewer than MIN_NODES=2 (unset: every node of the job)",
+                      True), id="a lost node, MIN_NODES unset: requeued"),
+    pytest.param(job(2, min_nodes=1, per_node=2), Step(2, 4, (), ""), Held(1, "n1", []), [], [4], False, None,
+                 Next(None, "", "the job holds 1 of its 2 nodes (n1), and no count of them from MIN_NODES=1 up, at 2 "
+                      "rank(s) a node, keeps the global batch", True), id="a lost node, the batch splits among 4 alone"),
+    pytest.param(job(3, min_nodes=2), WHOLE3, HELD3, ["n2"], [1, 2, 3], False, None,
+                 Next(Step(2, 2, ("n2",), ""), ": the job holds 3 of its 3 nodes (n[1-3]), 2 without the node it leaves "
+                      "out, so on 2 node(s) with 2 rank(s) instead of 3", "", False), id="a node left out, MIN_NODES=2"),
+    pytest.param(job(3, min_nodes=2), WHOLE3, HELD3, ["n1"], [1, 2, 3], False, None,
+                 Next(Step(2, 2, ("n1",), "n2,n3"), ": the job holds 3 of its 3 nodes (n[1-3]), 2 without the node it "
+                      "leaves out, so on 2 node(s) with 2 rank(s) instead of 3", "", False),
+                 id="the first node left out: the rendezvous moves"),
+    pytest.param(job(3, min_nodes=1), Step(2, 2, ("n2",), ""), Held(2, "n[1-2]", ["n1", "n2"]), ["n2"], [1, 2, 3],
+                 False, None, Next(Step(1, 1, ("n2",), ""), ": the job holds 2 of its 3 nodes (n[1-2]), 1 without the node "
+                                   "it leaves out, so on 1 node(s) with 1 rank(s) instead of 2", "", False),
+                 id="a node left out, then one lost: on the usable one"),
+    pytest.param(job(2), Step(2, 2, (), ""), Held(2, "n[1-2]", ["n1", "n2"]), ["n2"], [1, 2], False, ["n2"],
+                 Next(None, "", "the job holds 2 of its 2 nodes (n[1-2]), 1 without the node it leaves out, fewer than "
+                      "MIN_NODES=2 (unset: every node of the job)", True), id="a node left out, too few without it"),
+    pytest.param(job(3), WHOLE3, HELD3, ["n2"], [1, 3], False, [],
+                 Next(WHOLE3, " with n2, which Slurm could not place the job without", "", False),
+                 id="a node left out that Slurm cannot keep the job off"),
+    pytest.param(job(3), WHOLE3, HELD3, ["n2", "n3"], [1, 3], False, ["n2"],
+                 Next(WHOLE3, " with n3, which Slurm could not place the job without, and with n2, which the line that "
+                      "continues the run excludes (not requeued without it: Slurm would place the job on n3 again)", "",
+                      False), id="two left out, one kept off"),
+    pytest.param(job(3), WHOLE3, HELD3, ["n3"], [1, 3], True, ["n3"],
+                 Next(WHOLE3, " with n3 (not requeued a second time to leave a node out)", "", False),
+                 id="requeued once to leave a node out, every node held"),
+    pytest.param(job(3), WHOLE3, Held(2, "n[1,3]", ["n1", "n3"]), ["n3"], [1, 3], True, ["n3"],
+                 Next(None, "", "the job holds 2 of its 3 nodes (n[1,3]), 1 without the node it leaves out, and it was "
+                      "requeued once already to leave a node out", False), id="requeued once to leave a node out, one lost"),
+])
+def test_the_next_step_from_the_nodes_held_and_left_out(s, step, held, left, world_sizes, again, kept, after):
+    """next_step, from plain values: the same step, the step on fewer nodes (without those left
+    out, the rendezvous moved off one), a requeue, or none. Slurm is asked which nodes it can
+    keep the job off (`kept`, None: not asked) only where the answer decides."""
+    asked = []
+    assert next_step(s, step, held, left=left, world_sizes=world_sizes, requeued_to_leave_out=again,
+                     kept_off=lambda: asked.append(1) or list(kept)) == after
+    assert bool(asked) == (kept is not None)
+
+
+@pytest.mark.parametrize("s, left, after", [
+    (job(3, min_nodes=2), [], Next(WHOLE3, "", "", False)),
+    (job(3, min_nodes=2), ["n4"], Next(WHOLE3, "", "", False)),  # (Slurm kept the job off it)
+    (job(3, min_nodes=2), ["n2"], Next(Step(2, 2, ("n2",), ""), "the job holds n2 again, which it leaves out: its step "
+                                       "runs on 2 node(s) with 2 rank(s) instead of 3, without it", "", False)),
+    (job(3), ["n2"], Next(WHOLE3, "the job holds n2 again, which it leaves out, and too few nodes without it (MIN_NODES="
+                                  "3): it runs on them, and is not requeued again to leave them out", "", False)),
+])
+def test_a_requeued_jobs_first_step_leaves_out_the_nodes_it_holds_again(s, left, after):
+    assert first_step(s, nodes=["n1", "n2", "n3"], left=left, world_sizes=[1, 2, 3]) == after
+
+
+def test_the_nodes_srun_gives_a_step_are_the_first_it_does_not_leave_out():
+    assert step_nodes(Step(2, 2, ("n1",), "n2,n3"), ["n1", "n2", "n3"]) == ["n2", "n3"]
+    assert step_nodes(Step(1, 1, (), ""), ["n1", "n2"]) == ["n1"]
 
 
 # ----------------------------------------------------------------------------- the supervisor with them
@@ -184,7 +289,7 @@ def test_a_node_pinned_twice_is_left_out_and_the_step_goes_on_on_the_jobs_other_
     assert printed(result, "ATTEMPT 3/4")[0].endswith(
         ": the job holds 3 of its 3 nodes (n1,n2,n3), 2 without the node it leaves out, so on 2 node(s) with 2 rank(s) instead of 3; "
         "it resumes from the newest checkpoint")
-    assert list(read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))) == ["n2"]
+    assert list(read_pins(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)) == ["n2"]
 
 
 def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_line_after_end_excludes_it(tmp_path):
@@ -216,7 +321,7 @@ def test_with_too_few_nodes_left_the_job_is_requeued_without_the_node_and_the_li
                               ["n1", "n3"], excluded="n2", SLURM_RESTART_COUNT="1")
     assert requeued.returncode == 0 and "leaving" not in requeued.stdout, requeued.stdout + requeued.stderr
     assert " --exclude=n2 " in (tmp_path / "line").read_text()
-    pins = read_pins(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    pins = read_pins(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)
     assert pins["n3"] == [Pin("1", "attempt 1 after 1 requeue(s), exit 4: a hang report named rank 1 on it")]
 
 
@@ -228,7 +333,7 @@ def test_what_a_bug_a_divergence_or_a_lost_peer_alone_leaves_pins_nothing(tmp_pa
     assert bug.returncode == 1 and "leaving" not in bug.stdout
     lost = supervised_job(tmp_path, [step(nodes, {0: 4, 1: 4}, 4)] * 2, nodes, MAX_RESTARTS="1")
     assert lost.returncode == 4 and "ATTEMPT 2/2" in lost.stdout and "leaving" not in lost.stdout
-    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+    assert not Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures).exists()
 
 
 # ----------------------------------------------------------------------------- what caps the nodes left out
@@ -269,7 +374,7 @@ def test_a_job_is_requeued_once_to_leave_a_node_out_never_twice(tmp_path):
     nodes left without it: not requeued again (each round might leave out another healthy
     node); it starts again as before until MAX_RESTARTS, then its END line and the line that
     continues the run, which excludes both."""
-    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record = Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)
     record.parent.mkdir(parents=True)
     record.write_text("n2\t\tattempt 1, exit 137: the job lost it (Slurm took it from the job)\n" * 2)
     (tmp_path / "requeue-accepted").touch()
@@ -288,7 +393,7 @@ def test_a_requeued_job_leaves_its_nodes_out_from_its_first_step(tmp_path):
     """Requeued, the job holds n2 again (Slurm could not keep it off): with MIN_NODES=2 its first
     step runs without n2; with MIN_NODES unset (every node), it runs on n2 as before, and a
     failure pinned there requeues it no more."""
-    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77"))
+    record = Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures)
     record.parent.mkdir(parents=True)
     record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2)
     (record.parent / "job-77").mkdir()
@@ -323,6 +428,24 @@ def test_after_a_node_left_out_a_lost_node_leaves_the_step_on_the_usable_nodes_a
         "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
 
 
+def test_a_node_left_out_after_the_step_went_on_with_fewer_nodes_leaves_the_line_asking_for_the_jobs_nodes(tmp_path):
+    """MIN_NODES=1 of 3 nodes: n3 lost, the step goes on with 2; then n2 pinned twice is left out
+    (the line that continues the run excludes it from then on) and the step goes on on n1
+    alone. That line still asks for the job's 3 nodes, as its first version did, not for the
+    2 of the step that was running when n2 was left out."""
+    nodes = ["n1", "n2", "n3"]
+    lose_n3 = step(nodes, {0: 4, 1: 4}, 137, world_sizes="1 2 3",
+                   then=f"echo '{LINE} NumNodes=2 NodeList=n1,n2 ExcNodeList=(null)' > {tmp_path}/shows")
+    hang = step(["n1", "n2"], {0: 4}, 4, hung="1 n2", world_sizes="1 2 3")
+    result = supervised_job(tmp_path, [lose_n3, hang, hang, step(["n1"], {0: 4}, 4)], nodes, MIN_NODES="1")
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert (tmp_path / "srun.log").read_text().splitlines()[1:] == [
+        "--label --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --relative=0"] * 2 + [
+        "--label --kill-on-bad-exit=1 --nodes=1 --ntasks=1 --exclude=n2"]
+    line = printed(result, "to continue")[0]
+    assert " --nodes=3 " in line and " --exclude=n2 " in line, line
+
+
 def test_a_lost_node_with_min_nodes_starts_the_step_again_on_the_node_left_as_recovery_md_quotes(tmp_path):
     """MIN_NODES=1 of 2 nodes, n2 lost (scontrol shows n1 alone): the step starts again on n1
     with 1 rank, and its ATTEMPT line is the one docs/recovery.md quotes, whole."""
@@ -346,7 +469,7 @@ def test_a_node_name_outside_the_jobs_node_list_is_never_pinned(tmp_path):
     result = supervised_job(tmp_path, [hang, hang, step(["c7f3a"], {0: 0}, 0)], nodes, MIN_NODES="1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "leaving" not in result.stdout and "c9b2e" not in (tmp_path / "srun.log").read_text()
-    assert not Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "77")).exists()
+    assert not Path(JobPaths(str(tmp_path / "runs" / "job-77"), "77").node_failures).exists()
 
 
 # ----------------------------------------------------------------------------- what Slurm can keep the job off
@@ -463,7 +586,7 @@ def test_the_line_after_end_says_which_excluded_nodes_a_job_of_the_run_left_out_
     """A job submitted with the line that job 12 printed (--exclude=n2, which job 12 left out,
     and n5, the user's own): its line after END still excludes both, and the next line says
     which is which, and how to take n2 back once repaired."""
-    record = Path(JobPaths.node_failures(str(tmp_path / "runs" / "job-77"), "12"))
+    record = Path(JobPaths(str(tmp_path / "runs" / "job-77"), "12").node_failures)
     record.parent.mkdir(parents=True)
     record.write_text("n2\t1\tattempt 1, exit 4: a hang report named rank 1 on it\n" * 2
                       + "n3\t2\tattempt 2, exit 4: a hang report named rank 2 on it\n")

@@ -7,7 +7,8 @@ many nodes the step goes on with.
 
 import pytest
 
-from ddpkit.contract import JobPaths, job_fields, read_codes
+from ddpkit.job.contract import JobPaths, job_fields, read_codes
+from ddpkit.supervisor.nodes import Step
 from ddpkit.supervisor.outcome import Outcome, nodes_to_go_on_with, read_world_sizes, settle
 from ddpkit.supervisor.step import resubmit_line, step_command
 from helpers.supervisor import JOB, LINE, settings
@@ -56,7 +57,7 @@ def test_after_a_lost_node_the_step_goes_on_with_the_most_nodes_the_batch_splits
     them, none if it does not; without rank 0's list, the divisors of the world size. The
     step then asks srun for that many nodes and tasks (its variables still say 2 and 4)."""
     s = settings(tmp_path, MIN_NODES="01")
-    assert (s.job_nodes, s.min_nodes, settings(tmp_path).min_nodes) == (2, 1, 2)
+    assert (s.nodes, s.min_nodes, settings(tmp_path).min_nodes) == (2, 1, 2)
     assert nodes_to_go_on_with(1, 1, 2, [1, 2, 4]) == 1
     assert nodes_to_go_on_with(1, 1, 2, [1, 4]) == 0
     assert nodes_to_go_on_with(1, 2, 2, [1, 2, 4]) == 0  # fewer than MIN_NODES
@@ -66,6 +67,6 @@ def test_after_a_lost_node_the_step_goes_on_with_the_most_nodes_the_batch_splits
     assert read_world_sizes(str(tmp_path), 12) == [1, 2, 3, 4, 6]
     assert "--no-kill" in resubmit_line(s, JOB, job_fields(LINE)).split()  # (MIN_NODES needs it)
     assert "--no-kill" not in resubmit_line(settings(tmp_path), JOB, job_fields(LINE)).split()
-    s.python, s.nodes, s.ntasks = "/v/bin/python", 1, 2
-    assert step_command(s, "/code/ddpkit/supervisor/main.py", ["t.py"])[:7] == [
+    s.python = "/v/bin/python"
+    assert step_command(s, "/code/ddpkit/supervisor/main.py", ["t.py"], step=Step(1, 2, (), ""))[:7] == [
         "srun", "--label", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=2", "--relative=0", "/v/bin/python"]

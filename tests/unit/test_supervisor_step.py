@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.contract import job_fields
+from ddpkit.job.contract import job_fields
 from ddpkit.supervisor.step import chained_submission, master_address, resubmit_line, step_command, training_args
 from helpers.supervisor import JOB, LINE, settings
 

@@ -1,4 +1,4 @@
-"""ddpkit/time_limit.py: the job's times read from Slurm's variables, from the line that
+"""ddpkit/run/time_limit.py: the job's times read from Slurm's variables, from the line that
 run_training.sbatch passes on or from scontrol itself; the stop --stop-before minutes
 ahead of the end (auto: a minute plus twice the slowest save and step); the start line and
 the estimate after the first epoch, on a clock the test moves. The real thing, a job that
@@ -13,8 +13,8 @@ import math
 import os
 import subprocess
 
-from ddpkit import contract
-from ddpkit.time_limit import JobTimes, TimeLimit, duration, read_job_times, slurm_duration, times_from_job_info
+from ddpkit.job import contract
+from ddpkit.run.time_limit import JobTimes, TimeLimit, duration, read_job_times, slurm_duration, times_from_job_info
 
 # One line of `scontrol show job -o` as Slurm 22.05 prints it for `sbatch --time=2` (shortened).
 INFO = ("JobId=7 JobName=mnist-ddp UserId=root(0) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 "

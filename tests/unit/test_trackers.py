@@ -1,4 +1,4 @@
-"""ddpkit/trackers.py with no tracker and no sender process: an epoch's scalars, a start's
+"""ddpkit/run/trackers.py with no tracker and no sender process: an epoch's scalars, a start's
 text, tracker.json's entries (one per tracker and MLflow server however it is spelled, a URI
 that cannot be read another server's, names looked up only for a new spelling, only those it
 could be and for a short time, empty when missing, dropped with a line when of the wrong shape,
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import trackers
-from ddpkit.contract import JobPaths
-from ddpkit.trackers import Sender, Start, Tracker, entry_name, epoch_scalars, read_entry, write_entry
+from ddpkit.job.contract import JobPaths
+from ddpkit.run import trackers
+from ddpkit.run.trackers import Sender, Start, Tracker, entry_name, epoch_scalars, read_entry, write_entry
 
 AT = "2024-05-01 12:00:00 +0000"
 HPARAMS = {"lr": 0.01, "batch_size": 64, "model": "cnn"}

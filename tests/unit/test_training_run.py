@@ -1,4 +1,4 @@
-"""ddpkit/training_run.py in one process, with a real (tiny) model, AdamW, checkpoints on
+"""ddpkit/run/training_run.py in one process, with a real (tiny) model, AdamW, checkpoints on
 disk and the real per-step agreement: EpochLoss, checkpoints every N steps, a stop signal
 acted on one step later with a checkpoint, a loss that is not finite reported with its step
 and nothing saved, where the run stands (done(), batches_left(), lr_position()), an epoch's
@@ -6,12 +6,14 @@ train_loss that covers that epoch alone, and --ckpt-minutes counted from the las
 RunLogger and a clock the test moves: the epoch's record (speed, duration, lr) as printed,
 in metrics.jsonl and TensorBoard, pictures every --image-every epochs, the estimate after
 the first epoch, the `ready in` line, finish (model.pt, the final line, a finished
-checkpoint), stops at an epoch's end, weights that are not finite, --interrupt-at.
+checkpoint), stops at an epoch's end, weights that are not finite, --interrupt-at. And that
+save_checkpoint, RunLogger and StepProfiler take at most 6 parameters each.
 
     python -m pytest tests/unit/test_training_run.py
 """
 
 import contextlib
+import inspect
 import json
 import re
 import signal
@@ -23,16 +25,17 @@ import torch
 import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpkit import training_run
-from ddpkit.checkpoints import Progress, read_checkpoint
 from ddpkit.distributed import Runtime, collective_of, set_background
 from ddpkit.launch import Diverged, StartupClock, Stopped, StopSignals
 from ddpkit.options import RunOptions
-from ddpkit.recovery import CheckpointClock
-from ddpkit.runlog import HParams, NullLogger, RunLogger
-from ddpkit.time_limit import JobTimes, TimeLimit
-from ddpkit.trackers import NoTracker
-from ddpkit.training_run import EpochLoss, RunPlan, RunState, Surroundings, TrainingRun
+from ddpkit.run import training_run
+from ddpkit.run.checkpoints import Progress, read_checkpoint, save_checkpoint
+from ddpkit.run.profiling import StepProfiler
+from ddpkit.run.recovery import CheckpointClock
+from ddpkit.run.runlog import HParams, LogPlan, NullLogger, RunLogger
+from ddpkit.run.time_limit import JobTimes, TimeLimit
+from ddpkit.run.trackers import NoTracker
+from ddpkit.run.training_run import EpochLoss, RunPlan, RunState, Surroundings, TrainingRun
 
 ONE = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
 
@@ -241,8 +244,9 @@ def job_output(path: Path):
 def run_logger(run_dir: Path) -> RunLogger:
     """Rank 0's logger, with the batch loss and a progress line at every step."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    return RunLogger(run_dir, {"lr": 0.01}, HParams({"lr": 0.01}), {}, 0, ("a", "b"), log_every=1, progress_every=1e-9,
-                     tracker=NoTracker())
+    plan = LogPlan(options={"lr": 0.01}, hparams=HParams({"lr": 0.01}), environment={}, classes=("a", "b"),
+                   resumed_step=0, log_every=1, progress_every=1e-9)
+    return RunLogger(run_dir, plan, tracker=NoTracker())
 
 
 def tensorboard(run_dir: Path) -> EventAccumulator:
@@ -533,3 +537,14 @@ def test_interrupt_at_is_for_rank_0_alone(tmp_path, live_stop):
     run = make_run(tmp_path, live_stop, ckpt_every=0, interrupt_at="1:USR1", rt=rank_1)
     after_step(run)
     assert live_stop.received == 0
+
+
+# ----------------------------------------------------------------------------- the calls' signatures
+
+@pytest.mark.parametrize("call", [save_checkpoint, RunLogger.__init__, StepProfiler.__init__],
+                         ids=lambda call: call.__qualname__)
+def test_what_the_run_calls_takes_a_handful_of_things_not_a_long_list(call):
+    """The plan and the state the run holds go as objects (RunPlan, RunState, LogPlan), so
+    that a reader never counts positions in a list of 10 values."""
+    parameters = [name for name in inspect.signature(call).parameters if name != "self"]
+    assert len(parameters) <= 6, parameters

@@ -31,7 +31,7 @@ def test_check_names_the_slow_node_of_three_and_the_exclude_that_leaves_it_out(t
                         r"out: sbatch --exclude=ftn2", slow[0]), out[-3000:]
     assert len(slow) == 1, slow  # (ftn1 and ftn3 alike; ftn2's ranks not named again)
     assert not re.search(r"^0: check: the network of node ftn2 ", out, re.M), out[-3000:]
-    assert re.search(r"^0: check: a training step of the default model \(cnn, 128 images of 28 x 28\) takes [\d.]+ ms "
+    assert re.search(r"^0: check: a training step of the recipe's model \(cnn, 128 images of 1 x 28 x 28\) takes [\d.]+ ms "
                      r"on the median rank \([\d.]+-[\d.]+ ms over 3 ranks\)$", out, re.M), out[-3000:]
     assert re.search(r"^0: check: an exchange of 16 MB each way between the first ranks of two nodes takes [\d.]+ s for "
                      r"the median pair \([\d.]+-[\d.]+ s over 3 pairs\)$", out, re.M), out[-3000:]

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddpkit.contract import JobPaths
+from ddpkit.job.contract import JobPaths
 from helpers.cluster import FAST, LOCAL_SLURM, SBATCH_FILE, finish, wait_for_epoch_1
 from helpers.images import read_metrics
 from helpers.processes import ROOT

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cluster import LOCAL_SLURM, SBATCH_FILE, finish, usr1_saves_requeues_and_resumes, wait_for_epoch_1
-from helpers.images import SAMPLE, read_metrics
+from helpers.images import SAMPLE, make_image_folder, read_metrics
 from helpers.processes import ROOT, clean_env
 
 SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT / "tensorboard.sh", ROOT / ".ci" / "run"]
@@ -198,6 +198,34 @@ def test_first_start_options_stay_with_the_first_start_and_the_line_after_end_ru
     resumed = rf"^0: resumed from {submit}/runs/-ft/checkpoints/ckpt-000000[45]\d\.pt: epoch 2"
     assert re.search(resumed, text, re.M), text[-3000:]
     assert [m["epoch"] for m in read_metrics(submit / "runs" / "-ft")] == [2]
+
+
+def test_check_times_a_model_of_ones_own_on_an_image_folders_shape_and_passes(one_node, tmp_path):
+    """CHECK=1 with a copy of the project whose default model is one of its own for 3-channel
+    32 x 32 images (a name in MODELS and its branch in build_model, as docs/adapt.md says), on
+    a folder of such images: every rank times that model on that shape, and the check passes."""
+    project, submit = tmp_path / "project", tmp_path / "submit"
+    project.mkdir()
+    shutil.copytree(ROOT / "ddpkit", project / "ddpkit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(SBATCH_FILE, project)
+    recipe = (ROOT / "mnist_ddp.py").read_text()
+    for old, new in (('MODELS = (', 'MODELS = ("cifar", '), ('model: str = kit.option("cnn",', 'model: str = kit.option("cifar",'),
+                     ("    channels, height, width = shape\n",
+                      "    channels, height, width = shape\n"
+                      '    if recipe.model == "cifar":\n'
+                      "        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),\n"
+                      "                             nn.Linear(8 * 16 * 16, classes))\n")):
+        assert recipe.count(old) == 1, old
+        recipe = recipe.replace(old, new)
+    (project / "mnist_ddp.py").write_text(recipe)
+    folder = make_image_folder(tmp_path / "images", {"train": 8, "test": 4})
+    client = one_node.sbatch(submit, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+                             ["--dataset", "folder", "--data-dir", str(folder)], batch_file=project / "run_training.sbatch",
+                             SCRIPT=None, CHECK="1")
+    job_id, out = finish(client, submit)
+    assert re.search(r"^0: check: a training step of the recipe's model \(cifar, 128 images of 3 x 32 x 32\) takes [\d.]+ ms ",
+                     out, re.M), out[-3000:]
+    assert re.search(rf"^END .* job={job_id} exit=0 \(CHECK=1: nothing was trained\)$", out, re.M), out[-3000:]
 
 
 def test_conda_env_and_setup_file(one_node, tmp_path):

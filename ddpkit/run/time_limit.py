@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ddpkit.contract import JobEnv, chains_left, job_fields, requeue_allowed, show_job, unix_time
+from ddpkit.job.contract import JobEnv, chains_left, job_fields, requeue_allowed, show_job, unix_time
 
 # Seconds left for what follows the stop when nothing slower was measured: the step in
 # flight, the save, the ranks' exit and the requeue, with room for a busy file system.

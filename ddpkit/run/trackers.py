@@ -2,7 +2,7 @@
 for the whole run, across restarts, requeues, resubmissions and another world size, with
 each step in it once. (Whether it can be used is checked with the options: options.tracker_problem.)
 
-Rank 0 hands what it logs to a sender, a process of its own (`python -m ddpkit.trackers`),
+Rank 0 hands what it logs to a sender, a process of its own (`python -m ddpkit.run.trackers`),
 which alone imports the tracker's package and talks to it: a tracker that is slow,
 unreachable or failing never holds up a step, and never stops training. One line names it,
 and what it missed is sent when it answers again, at a later epoch or a later start.
@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ddpkit.contract import EXIT_STOPPED, JobPaths
+from ddpkit.files import replace_json
+from ddpkit.job.contract import EXIT_STOPPED, JobPaths
 
 # How long the end of a start waits for the sender to hand the tracker what is left (a stop on
 # a signal or at the time limit has a minute in all); what it has not sent by then, the next
@@ -61,7 +62,7 @@ LOCK_WAIT = 60.0
 # How long a start that spells its MLflow server anew waits for the names of the servers in
 # tracker.json to resolve (find_entry): a name that has not resolved by then is another server.
 RESOLVE_SECONDS = 3.0
-ROOT = Path(__file__).resolve().parents[1]  # (the folder that holds ddpkit/, for the sender's import)
+ROOT = Path(__file__).resolve().parents[2]  # (the folder that holds ddpkit/, for the sender's import)
 
 # The scalars of an epoch's record, by the tag TensorBoard shows them under (each of the
 # evaluation's metrics is test_<name> in the record, test/<name> here).
@@ -239,19 +240,16 @@ def entry_lock(path: Path, wait: float):
 
 
 def write_entry(path: Path, entry: str, state: dict) -> None:
-    """Replace the entry in tracker.json, whole (through a file beside it, renamed over it)."""
+    """Replace the entry in tracker.json."""
     try:
         every = json.loads(path.read_text())
     except (OSError, ValueError):
         every = {}
     every = every if isinstance(every, dict) else {}
     every[entry] = state
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        temporary.write_text(json.dumps(every, indent=1))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    # (the sender of an earlier start may still write it when a new start clears the run's
+    # directory of unfinished saves: its temporary is not one of theirs)
+    replace_json(path, every, indent=1, suffix=".")
 
 
 # ----------------------------------------------------------------------------- rank 0's side
@@ -264,7 +262,7 @@ class Tracker:
         """`start`: this start, to record on the tracker's run (None: a finished run started again,
         which only sends what the tracker may still lack)."""
         self.kind, self.run_dir, self.hparams, self.identity = tracker, run_dir, hparams, identity
-        self.path = run_dir / JobPaths.TRACKER
+        self.path = Path(JobPaths(str(run_dir)).tracker)
         with entry_lock(self.path, LOCK_WAIT):
             self.entry = find_entry(self.path, entry_name(tracker))
             state = read_entry(self.path, self.entry)
@@ -295,7 +293,7 @@ class Tracker:
             self.add_epoch(record)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         try:
-            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.trackers", self.kind, str(self.run_dir), self.entry],
+            self.sender = subprocess.Popen([sys.executable, "-m", "ddpkit.run.trackers", self.kind, str(self.run_dir), self.entry],
                                            stdin=subprocess.PIPE, text=True, env=env, start_new_session=True)
         except OSError as err:
             print(f"warning: cannot start the tracker's sender ({err.strerror}); training goes on, and the tracker gets "
@@ -502,7 +500,7 @@ class Sender:
     def __init__(self, kind: str, run_dir: Path, entry: str):
         """`entry`: the tracker's entry in tracker.json, as rank 0 found it (find_entry)."""
         self.kind, self.run_dir = kind, run_dir
-        self.path, self.entry = run_dir / JobPaths.TRACKER, entry
+        self.path, self.entry = Path(JobPaths(str(run_dir)).tracker), entry
         self.state = read_entry(self.path, self.entry)
         self.waiting: list[list] = []
         self.hparams: dict = {}
@@ -631,7 +629,7 @@ def main(kind: str, run_dir: str, entry: str) -> None:
     signal reaches every process of a Slurm step, and this one must outlive rank 0's save."""
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    path = Path(run_dir) / JobPaths.TRACKER
+    path = Path(JobPaths(run_dir).tracker)
     with entry_lock(path, wait=24 * 3600.0):  # (an earlier start's sender first: it ends once it has sent)
         sender = Sender(kind, Path(run_dir), entry)
         threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()

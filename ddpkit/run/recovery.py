@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddpkit.checkpoints import Progress
 from ddpkit.distributed import Runtime, collective, collective_of
 from ddpkit.launch import StopSignals
 from ddpkit.options import RunOptions
+from ddpkit.run.checkpoints import Progress
 
 
 class CheckpointClock:

@@ -11,11 +11,11 @@ import socket
 import time
 from pathlib import Path
 
-from ddpkit.contract import JobPaths, default_run_name, run_name_setting
 from ddpkit.distributed import Runtime, broadcast_from_main
+from ddpkit.job.contract import JobPaths, default_run_name, run_name_setting
 from ddpkit.launch import Launch, UsageError, write_exit_file
 from ddpkit.options import RunOptions
-from ddpkit.recovery import storage_problem
+from ddpkit.run.recovery import storage_problem
 
 
 def choose_run_dir(config: RunOptions, launch: Launch) -> Path:
@@ -79,13 +79,13 @@ class RunClaim:
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         self.file.flush()
-        (run_dir / JobPaths.EXIT_CODE).unlink(missing_ok=True)  # written again when this attempt ends
+        Path(JobPaths(str(run_dir)).exit_code).unlink(missing_ok=True)  # written again when this attempt ends
 
     def release(self, code: int) -> None:
         """Record how this attempt ended, for run_training.sbatch, sweep.py summary and
         whoever reads the directory, then let the next run in."""
         with contextlib.suppress(OSError):
-            (self.run_dir / JobPaths.EXIT_CODE).write_text(f"{code}\n")
+            Path(JobPaths(str(self.run_dir)).exit_code).write_text(f"{code}\n")
         self.file.close()
 
 
@@ -121,7 +121,7 @@ def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime, run_dir: Path
         except UsageError as err:
             error = str(err)
             if isinstance(err, RunDirTaken):  # so the batch file leaves that run's files alone
-                write_exit_file(launch, JobPaths.RUN_DIR_TAKEN, "")
+                write_exit_file(launch, launch.paths.run_dir_taken, "")
         except OSError as err:  # a log directory that is a file, read-only or full
             error = storage_problem(err, config)
             if not error:

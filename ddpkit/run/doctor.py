@@ -5,8 +5,8 @@ backend connects the ranks, one all-reduce with a known answer checks the sums, 
 timed all-reduce of 64 MB gives the bandwidth. Rank 0 prints each rank's host, device,
 CPUs, GPUs, network interface and versions.
 
-Then the speeds: every rank times the recipe's fixed training step (mnist_ddp.py's
-check_step: the default model on a default batch of synthetic images, on its own device),
+Then the speeds: every rank times one training step of the recipe's own model on random
+images of the run's shape, on its own device (recipe_step),
 and the first ranks of each pair of nodes time an exchange of 16 MB; rank 0 names, one
 line each, a rank, a node or a pair of nodes slower than 1.5 times the others (stragglers.py's
 factor) and slower by STEP_NOISE (a step) or PAIR_NOISE (an exchange) at least, in every one
@@ -34,17 +34,18 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.distributed import load_what_optimizers_load, pick_device
+from ddpkit.job.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
-from ddpkit.recovery import node_fault
-from ddpkit.stragglers import SLOW_FACTOR
+from ddpkit.run.recovery import node_fault
+from ddpkit.run.stragglers import SLOW_FACTOR
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
 LATER = 20.0  # seconds more that the other ranks wait than rank 0
@@ -161,9 +162,38 @@ def first_line(err: Exception) -> str:
     return (str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)[:200]
 
 
-# The recipe's fixed piece of work that every rank times (mnist_ddp.py's check_step): for
-# this rank's device, the words that name it and a function that runs it once.
+# The piece of work that every rank times: for this rank's device, the words that name it
+# and a function that runs it once (recipe_step makes it of the recipe's own parts).
 StepMaker = Callable[[torch.device], tuple[str, Callable[[], object]]]
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """The recipe's parts that --check builds its timed step of, as the training loop uses them:
+    build_model(recipe, shape, classes), build_optimizer(recipe, model) and
+    train_step(model, optimizer, lr, x, y)."""
+    build_model: Callable
+    build_optimizer: Callable
+    train_step: Callable
+
+
+def recipe_step(parts: StepParts, recipe: object, images: Callable[[], tuple[tuple[int, int, int], int]]) -> StepMaker:
+    """One training step of the recipe's model, as it will train: its options (`recipe`: the
+    model, --lr, the global batch, or --batch-size a rank), on a batch of random images of the
+    run's shape and class count (`images()`: ((C, H, W), classes)). The same work on every
+    rank, for any world size."""
+    def make(device: torch.device) -> tuple[str, Callable[[], object]]:
+        shape, classes = images()
+        batch = recipe.batch_size or recipe.global_batch
+        torch.manual_seed(0)
+        model = parts.build_model(recipe, shape, classes).to(device)
+        optimizer = parts.build_optimizer(recipe, model)
+        x = torch.randn(batch, *shape, device=device)
+        y = torch.randint(classes, (batch,), device=device)
+        named = f"{recipe.model}, " if hasattr(recipe, "model") else ""
+        what = f"a training step of the recipe's model ({named}{batch} images of {' x '.join(map(str, shape))})"
+        return what, lambda: parts.train_step(model, optimizer, recipe.lr, x, y)
+    return make
 
 
 def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None = None) -> int:
@@ -314,8 +344,8 @@ def broken_lines(broken: list[int], faulty: list[int], nodes: list[str]) -> list
                      f"{','.join(dict.fromkeys(nodes[r] for r in faulty))}, or report it to the site")
     if others:
         lines.append(f"check failed: {ranks_and_hosts(others, nodes)} cannot run a training step "
-                     "(the line above from each says why): an error of the recipe's step (mnist_ddp.py's check_step and "
-                     "the model it builds) or of the environment, which another node would not fix; fix it, and run the "
+                     "(the line above from each says why): an error of the recipe's step (its build_model, "
+                     "build_optimizer or train_step) or of the environment, which another node would not fix; fix it, and run the "
                      "check again")
     return lines
 

@@ -1,4 +1,4 @@
-"""Checkpoints and resume: atomic saves, the run's Progress, rotation, setting aside the
+"""Checkpoints and resume: saves (atomic: ddpkit/files.py), the run's Progress, rotation, setting aside the
 checkpoints a run no longer continues, and choosing, checking and loading the one to resume from.
 
 A checkpoint holds plain dicts: the options it was written with, the classes and the
@@ -8,7 +8,6 @@ loss sums). It is checkpoints/ckpt-<step, 8 digits>.pt: a file of another name t
 copy a user made, ckpt-best.pt) is theirs, and --resume auto, rotation and setting aside
 leave it alone."""
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -17,58 +16,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
-from ddpkit.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
 from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
+from ddpkit.files import TEMPORARY_SUFFIX, save_atomic
+from ddpkit.job.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
 from ddpkit.launch import UsageError
 from ddpkit.options import flag
-
-TEMPORARY_SUFFIX = ".tmp-"  # save_atomic and replace_text write .NAME.tmp-PID beside NAME
-
-
-def temporary_beside(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TEMPORARY_SUFFIX}{os.getpid()}")
-
-
-def replace_text(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`: a reader
-    or a kill never meets half of it. A failed write removes its temporary file."""
-    tmp = temporary_beside(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-def save_atomic(obj, path: Path) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it: a crash
-    mid-write leaves the previous file intact (rename is atomic on POSIX and NFS).
-
-    A failed write removes its temporary file (left there, it would keep a full disk full
-    for every later attempt) and raises an OSError that names `path`: torch.save reports a
-    full disk as a RuntimeError raised while handling it, and a write's OSError names no file."""
-    tmp = temporary_beside(path)
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:  # KeyboardInterrupt too
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        cause = err if isinstance(err, Exception) else None
-        while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        raise OSError(cause.errno, cause.strerror, str(path)) from err
 
 
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:
@@ -113,29 +70,45 @@ def weights_are_finite(state: Mapping[str, object]) -> bool:
                for p in thing.parameters())
 
 
+@dataclass
+class RunState:
+    """What the run trains and where it stands: what every checkpoint saves and a resume loads."""
+    state: Mapping[str, object]  # the recipe's model, optimizer, ... by name
+    progress: Progress
+    loss_sums: torch.Tensor      # this rank's [loss x images, images] in the epoch so far (training_run.EpochLoss)
+    config: dict                 # the recipe's and the run's options, as every checkpoint records them
+
+
+class RecordedPlan(Protocol):
+    """What every checkpoint records of the run's plan (training_run.RunPlan), which a resume
+    compares: the data's classes, the images' (C, H, W), a step's images over all ranks (what
+    Progress.step_in_epoch counts in)."""
+    classes: tuple[str, ...]
+    shape: tuple[int, int, int] | None
+    global_batch: int
+
+
 # The checkpoint's own keys; the recipe's state goes beside them, each under its name.
 RESERVED = frozenset(("format", "config", "classes", "shape", "world_size", "global_batch", "progress",
                       "rank_states"))
 
 
-def save_checkpoint(run_dir: Path, options: dict, classes: tuple[str, ...], state: Mapping[str, object], rt: Runtime,
-                    progress: Progress, loss_sum: torch.Tensor, keep: int, *, global_batch: int,
-                    shape: tuple[int, int, int] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, plan: RecordedPlan, run: RunState, rt: Runtime, *, keep: int) -> Path:
     """Every rank calls this (it gathers each rank's state); rank 0 writes the file and keeps
-    the newest `keep` up to this step. Each of `state` (the recipe's model, optimizer, ...)
-    is saved as its state_dict under its name; `global_batch` is the images of a step over
-    all ranks (what progress.step_in_epoch counts in); `shape` is the images' (C, H, W)."""
+    the newest `keep` up to this step. Each of run.state (the recipe's model, optimizer, ...)
+    is saved as its state_dict under its name, beside what the file records of the `plan`."""
+    state, progress = run.state, run.progress
     taken = RESERVED.intersection(state)
     if taken:
         raise ValueError(f"a checkpoint keeps its own {', '.join(sorted(taken))} under that name: give the recipe's "
                          "state another name")
-    states = gather_to_all(rank_state(loss_sum, rt.device), "the gather of each rank's state")
+    states = gather_to_all(rank_state(run.loss_sums, rt.device), "the gather of each rank's state")
     path = checkpoint_path(run_dir, progress.step)
     if rt.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_atomic({"format": CKPT_FORMAT, "config": options, "classes": list(classes),
-                     **({} if shape is None else {"shape": list(shape)}), "world_size": rt.world_size,
-                     "global_batch": global_batch,
+        save_atomic({"format": CKPT_FORMAT, "config": run.config, "classes": list(plan.classes),
+                     **({} if plan.shape is None else {"shape": list(plan.shape)}), "world_size": rt.world_size,
+                     "global_batch": plan.global_batch,
                      **{name: None if thing is None else thing.state_dict() for name, thing in state.items()},
                      "progress": dataclasses.asdict(progress), "rank_states": states}, path)
         # The newest `keep` up to this step; a later one is the file a rewound run resumed

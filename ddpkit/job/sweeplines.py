@@ -34,7 +34,9 @@ def command(*args: object) -> str:
     return quote_words([sys.executable or "python3", script] + [str(arg) for arg in args])
 
 
-RUN_DIR_OPTIONS = ("--run-name", "--run-dir", "--log-dir")  # the sweep sets them: LOG_DIR/<sweep>/<run name>
+# The options that name a run's directory: a sweep sets them (LOG_DIR/<sweep>/<run name>), and
+# run_training.sbatch passes them itself (from LOG_DIR and RUN_NAME).
+RUN_DIR_OPTIONS = ("--run-name", "--run-dir", "--log-dir")
 
 
 def names_run_dir(word: str) -> bool:

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-from ddpkit.checkpoints import replace_text
 from ddpkit.distributed import Runtime, all_reduce
+from ddpkit.files import replace_json, replace_text
 from ddpkit.launch import Launch
-from ddpkit.trackers import NoTracker, Tracker, epoch_scalars
+from ddpkit.run.trackers import NoTracker, Tracker, epoch_scalars
 
 
 def peak_rss_mb(rt: Runtime) -> float:
@@ -56,7 +56,7 @@ def view_command(log_dir: Path) -> str:
     tensorboard.sh (which prints the tunnel) when it sits beside ddpkit/, else TensorBoard
     itself. It names this run's interpreter, as the continue lines do, unless tensorboard.sh
     finds it by itself (the project's .venv): no environment need be active."""
-    script = Path(__file__).resolve().parents[1] / "tensorboard.sh"
+    script = Path(__file__).resolve().parents[2] / "tensorboard.sh"
     if not script.exists():
         return f"{shlex.quote(sys.executable)} -m tensorboard.main --logdir {shlex.quote(str(log_dir))}"
     script = script.resolve()  # (the project's, where a job's copy of the code links to it)
@@ -145,12 +145,52 @@ HPARAM_METRICS = {"test/accuracy": "test accuracy", "test/loss": "test loss", "t
                   "time/seconds_to_best": "seconds to the best epoch"}
 
 
+# The HParams tab lists these first (a sweep lists what it varies first instead).
+SHOWN_FIRST = ("lr", "global_batch", "batch_size", "weight_decay", "epochs")
+
+
 @dataclasses.dataclass(frozen=True)
 class HParams:
-    """What the HParams tab shows of a run, as the recipe says."""
+    """What the HParams tab shows of a run."""
     values: dict                        # name -> int, float, str or bool
     first: tuple[str, ...] = ()         # marked as differing: the tab shows them first (a sweep: what it varies)
     choices: dict = dataclasses.field(default_factory=dict)   # name -> the values a str may take
+
+    @classmethod
+    def of_run(cls, recipe: object, *, batch_size: int, world_size: int, amp: bool,
+               first: tuple[str, ...] = SHOWN_FIRST) -> "HParams":
+        """A run's: the recipe's options (a dataclass), each rank's and the global batch, the
+        world size and --amp; a str option's choices as the recipe's field declares them."""
+        values = {**dataclasses.asdict(recipe), "batch_size": batch_size, "global_batch": batch_size * world_size,
+                  "world_size": world_size, "amp": amp}
+        choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(recipe) if "choices" in f.metadata}
+        return cls(values, first, choices)
+
+
+class Examples:
+    """The few test images an evaluation shows in TensorBoard (rank 0's, `keep` of each kind):
+    the first ones with their predictions, and the first misclassified ones. Another rank
+    keeps none (keep=0)."""
+
+    def __init__(self, keep: int):
+        self.keep, self.first, self.wrong = keep, [], []  # (indices, predictions) pairs
+
+    def add(self, indices: torch.Tensor, predictions: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.keep and not self.first:
+            self.first.append((indices[:self.keep], predictions[:self.keep]))
+        if sum(len(i) for i, _ in self.wrong) < self.keep:
+            miss = predictions != labels
+            self.wrong.append((indices[miss], predictions[miss]))
+
+    def shown(self, test_set) -> dict:
+        """{name: (uint8 images, predictions, true classes)}, as RunLogger.evaluation draws them."""
+        examples = {}
+        for name, kept in (("predictions", self.first), ("misclassified", self.wrong)):
+            if kept:
+                chosen = torch.cat([i for i, _ in kept])[:self.keep].cpu()
+                predicted = torch.cat([p for _, p in kept])[:self.keep].cpu()
+                examples[name] = (test_set.pictures(chosen), predicted, test_set.labels[chosen].cpu())
+        return examples
 
 
 @functools.cache
@@ -241,16 +281,29 @@ def markdown_table(d: dict) -> str:
     return "| key | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in d.items())
 
 
+@dataclasses.dataclass(frozen=True)
+class LogPlan:
+    """What rank 0's log records of this start of the run, and how often it speaks."""
+    options: dict            # the recipe's and the run's options: run.json, the config line and text
+    hparams: HParams
+    environment: dict        # describe_environment's: run.json, the environment line and text
+    classes: tuple[str, ...]  # the data's classes, by index: the TEXT tab and the confusion matrix name them
+    resumed_step: int        # the step this start goes on from (0: from the start); what came after it is dropped
+    log_every: int           # --log-every: the batch loss every N steps
+    progress_every: float    # --progress-every: a progress line every N seconds when stdout is not a terminal
+    note: str = ""           # a line printed and kept in the TEXT tab's "log" (what --allow-changes let differ)
+
+
 class RunLogger:
     """Rank 0's output: stdout lines, RUN_DIR/metrics.jsonl and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, options: dict, hparams: HParams, environment: dict, resumed_step: int,
-                 classes: tuple[str, ...], log_every: int, progress_every: float, *, tracker: Tracker | NoTracker,
-                 note: str = ""):
+    def __init__(self, run_dir: Path, plan: LogPlan, *, tracker: Tracker | NoTracker):
+        options, hparams, environment, classes = plan.options, plan.hparams, plan.environment, plan.classes
+        resumed_step, note = plan.resumed_step, plan.note
         # For sweep.py summary and anyone reading the directory: what this attempt runs with;
         # replaced whole, so that a reader never meets it empty or half written.
-        replace_text(run_dir / "run.json", json.dumps({"config": options, "environment": environment}))
-        self.log_every, self.progress_every, self.classes = log_every, progress_every, classes
+        replace_json(run_dir / "run.json", {"config": options, "environment": environment})
+        self.log_every, self.progress_every, self.classes = plan.log_every, plan.progress_every, classes
         self.last_progress = time.monotonic()
         # The run goes on from resumed_step (0: from the start) and repeats what came after
         # it: drop those lines, and have TensorBoard hide those steps, so nothing is doubled

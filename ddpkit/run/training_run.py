@@ -16,22 +16,23 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ddpkit import hangs
-from ddpkit.checkpoints import Progress, run_is_done, save_atomic, save_checkpoint, weights_are_finite
 from ddpkit.distributed import Runtime, all_reduce, ddp_statistics, gradient_wait, set_background
-from ddpkit.launch import Diverged, StartupClock, StopSignals
-from ddpkit.options import RunOptions
-from ddpkit.profiling import StepProfiler
-from ddpkit.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
-from ddpkit.runlog import final_figures, gpu_figures, peak_rss_mb
-from ddpkit.stragglers import StepTimer, Stragglers
-from ddpkit.time_limit import TimeLimit
+from ddpkit.files import save_atomic
+from ddpkit.launch import Diverged, StartupClock, StopSignals, UsageError
+from ddpkit.options import RunOptions, need
+from ddpkit.run.checkpoints import Progress, RunState, run_is_done, save_checkpoint, weights_are_finite
+from ddpkit.run.profiling import StepProfiler
+from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
+from ddpkit.run.runlog import final_figures, gpu_figures, peak_rss_mb
+from ddpkit.run.stragglers import StepTimer, Stragglers
+from ddpkit.run.time_limit import TimeLimit
 
 # What the ranks do together during a training step: DDP averages the gradients inside backward().
 GRADIENT_ALL_REDUCE = "the gradient all-reduce of a training step"
@@ -119,13 +120,47 @@ def plan_run(progress: Progress, *, images: int, world_size: int, batch_size: in
                    classes=classes, shape=shape)
 
 
-@dataclass
-class RunState:
-    """What the run trains and where it stands: what every checkpoint saves and a resume loads."""
-    state: Mapping[str, object]  # the recipe's model, optimizer, ... by name
-    progress: Progress
-    loss_sums: torch.Tensor      # this rank's [loss x images, images] in the epoch so far (EpochLoss)
-    config: dict                 # the recipe's and the run's options, as every checkpoint records them
+def split_batch(global_batch: int, world_size: int, per_rank: int = 0) -> int:
+    """Each of world_size ranks' images a step: `per_rank` when given (--batch-size: the global
+    batch grows with the ranks), else an equal share of `global_batch`. A global batch that
+    does not split is a UsageError that names the world sizes that split it (the 8 nearest
+    this one: a run that has started resumes only with its own global batch), and the
+    batches that would split among these ranks, for a new run."""
+    if per_rank:
+        return per_rank
+    if global_batch % world_size:
+        fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        fits = [str(n) for n in sorted(sorted(fits, key=lambda n: abs(n - world_size))[:8])]
+        ranks = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+        lower, higher = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
+        batches = " or ".join(str(n) for n in (lower, higher) if n)
+        raise UsageError(
+            f"--global-batch {global_batch} does not split evenly among {world_size} ranks; run it on {ranks} "
+            f"ranks (they split it; a run resumes only with its own batch), or, for a new run (another --run-name), "
+            f"pass --global-batch {batches} (a multiple of {world_size}), or --batch-size N for N images per rank")
+    return global_batch // world_size
+
+
+def world_sizes(global_batch: int, per_rank: int, most: int) -> list[int]:
+    """The world sizes up to `most` that split_batch splits this run's global batch (of `most`
+    ranks) among in equal shares: a run goes on among them with the same batches. (Under
+    --batch-size per rank, another world size changes the global batch: `most` alone.)"""
+    if per_rank:
+        return [most]
+    return [ranks for ranks in range(1, most + 1) if global_batch % ranks == 0]
+
+
+def check_batch_fits(global_batch: int, per_rank: int, images: int, world_size: int) -> None:
+    """A global batch larger than the training set would fill each step up with the epoch's
+    first images again (see the recipe's epoch_shard): almost surely a typo, or a smaller
+    folder than meant."""
+    batch = split_batch(global_batch, world_size, per_rank) * world_size
+    twice = f"more than the {images} training images, so each step would train some of them more than once"
+    if per_rank:
+        need(batch <= images, f"--batch-size {per_rank} on {world_size} rank{'s' * (world_size > 1)} is a "
+             f"global batch of {batch}, {twice}; pass --batch-size {images // world_size} or less")
+    need(batch <= images, f"--global-batch {batch} is {twice}; pass --global-batch "
+         f"{images // world_size * world_size} or less")
 
 
 @dataclass(frozen=True)
@@ -163,8 +198,8 @@ class TrainingRun:
         self.epoch_first_step = self.started_at = self.progress.step
         self.stragglers = Stragglers(list(around.hosts)) if rt.is_main and self.timer.hook else None
         self.wait_unjudged = rt.is_main and rt.world_size > 1  # (rank 0, at this start's first evaluation)
-        self.profiler = StepProfiler(run_dir=self.run_dir, rank=rt.rank, is_main=rt.is_main, device=rt.device,
-                                     steps=options.profile, first_step=self.progress.step, last_step=plan.last_step)
+        self.profiler = StepProfiler(run_dir=self.run_dir, rt=rt, steps=options.profile, first_step=self.progress.step,
+                                     last_step=plan.last_step)
         # --interrupt-at N:SIGNAL (hidden from --help; docs/recovery.md): rank 0 sends itself the
         # signal as step N ends, as Slurm or a user would, and every rank stops a step later.
         at, _, name = options.interrupt_at.partition(":") if rt.is_main else ("", "", "")
@@ -251,10 +286,8 @@ class TrainingRun:
         if not weights_are_finite(self.state):
             raise self.diverged("the weights stopped being finite")
         started = time.perf_counter()
-        plan = self.plan
-        path = save_checkpoint(self.run_dir, self.config, plan.classes, self.state, self.rt, self.progress,
-                               self.loss.saved(), self.options.keep_ckpts, global_batch=plan.global_batch,
-                               shape=plan.shape)
+        run = RunState(state=self.state, progress=self.progress, loss_sums=self.loss.saved(), config=self.config)
+        path = save_checkpoint(self.run_dir, self.plan, run, self.rt, keep=self.options.keep_ckpts)
         if self.stop.time_limit:  # the stop before the time limit leaves room for the slowest save
             self.stop.time_limit.saved(time.perf_counter() - started)
         self.clock.reset()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ddpkit import hangs
+from ddpkit.distributed import Runtime
 
 WARMUP = 3           # steps of this start before --profile N begins: the first ones allocate and tune
 ON_REQUEST = 10      # steps a profile-now request records when --profile is 0
@@ -32,15 +33,14 @@ def communication_share(events, seconds: float) -> float:
 class StepProfiler:
     """Starts and stops torch.profiler at the steps the run agreed on (every rank alike)."""
 
-    def __init__(self, *, run_dir: Path, rank: int, is_main: bool, device: torch.device, steps: int, first_step: int,
-                 last_step: int):
-        self.run_dir, self.rank, self.is_main, self.device = run_dir, rank, is_main, device
+    def __init__(self, *, run_dir: Path, rt: Runtime, steps: int, first_step: int, last_step: int):
+        self.run_dir, self.rank, self.is_main, self.device = run_dir, rt.rank, rt.is_main, rt.device
         self.steps = steps                 # --profile N
         self.last_step = last_step         # the run's last step: no profile records past it
         self.start_at = first_step + WARMUP if steps else None  # (the step count after which it starts)
         if self.start_at is not None and self.start_at >= last_step:
             self.start_at = None
-            if is_main:
+            if rt.is_main:
                 print(f"--profile {steps} records nothing: this start trains {last_step - first_step} steps, and a "
                       f"profile begins after {WARMUP} of warm-up", flush=True)
         self.profiler, self.first, self.until, self.began, self.folder = None, 0, 0, 0.0, None

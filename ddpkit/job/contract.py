@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from ddpkit import sweeplines
+from ddpkit.job import sweeplines
 
 # ----------------------------------------------------------------------------- exit codes
 
@@ -47,7 +47,7 @@ def is_run_name(name: str) -> bool:
 
 def default_run_name(job: str) -> str:
     """The run's name when none is given: a requeued job finds its own directory again."""
-    return "job-" + job
+    return JobPaths.job_name(job)
 
 
 def this_job(env: Mapping[str, str]) -> str:
@@ -111,12 +111,16 @@ def run_name_setting() -> str:
 
 
 class JobPaths:
-    """Every file that passes between the supervisor, the ranks and sweep.py, named once (as
-    submitit's JobPaths names a job's files). In the run directory: EXIT_CODE, and JOB_DIRS
-    with one folder for each job of the run (job_dir), so that a second job of the same run,
-    refused while the first one runs, never touches the first one's files. In that folder:
-    the rest. SIDES says who writes each file and who reads it, as JobEnv.SIDES does; a file of
-    the run directory may also pass between two jobs of one side."""
+    """Every file that passes between the supervisor, the ranks and sweep.py: a property of one
+    object for each (as submitit's JobPaths(folder, job_id) has one for each file of a job), so
+    that no side joins a name by hand. JobPaths(RUN_DIR, job) holds the run directory's files
+    and job_dir, the job's own folder (RUN_DIR/exit-codes/job-<id>), with the rest: one folder
+    for each job of the run, so that a second job of the same run, refused while the first one
+    runs, never touches the first one's files. JobPaths.of_folder(folder) holds a job's folder
+    alone, as the ranks know it (JobEnv.EXIT_DIR). Each file's property is its name's below in
+    lower case (REQUEUE: requeue; RANK_CODE: rank_code(rank)). SIDES says who writes each file
+    and who reads it, as JobEnv.SIDES does; a file of the run directory may also pass between
+    two jobs of one side."""
     EXIT_CODE = "exit-code"                # how the run's last attempt ended, for sweep.py and whoever reads RUN_DIR
     JOB_DIRS = "exit-codes"                # RUN_DIR/exit-codes/job-<id>: each job's folder
     RANK_CODE = "rank-{}"                  # rank-<r>: that rank's exit code, once all it wrote is on disk
@@ -146,33 +150,111 @@ class JobPaths:
         "TRACKER": ("ranks", "ranks"),  # (rank 0, from each start of the run to the next)
     }
 
-    @staticmethod
-    def job_dir(run_dir: str, job: str) -> str:
-        """The folder of the job `job` in the run directory."""
-        return os.path.join(run_dir, JobPaths.JOB_DIRS, "job-" + job)
+    def __init__(self, run_dir: str, job: str = "", job_dir: Optional[str] = None) -> None:
+        """The paths of the run directory `run_dir` and of its job `job`; `job_dir`: that job's
+        folder where it is known alone (of_folder)."""
+        self.run_dir, self.job, self.given_job_dir = run_dir, job, job_dir
+
+    @classmethod
+    def of_folder(cls, job_dir: str) -> "JobPaths":
+        """The paths of a job's folder alone (the files of job_dir), as the ranks know it from
+        JobEnv.EXIT_DIR: not those of its run directory."""
+        return cls("", "", job_dir)
+
+    @property
+    def job_dir(self) -> str:
+        """The job's own folder, which each start of the job clears."""
+        if self.given_job_dir is not None:
+            return self.given_job_dir
+        return os.path.join(self.run_dir, JobPaths.JOB_DIRS, JobPaths.job_name(self.job))
 
     @staticmethod
-    def node_failures(run_dir: str, job: str) -> str:
-        """The file of the failures pinned on a node in the job `job`, beside its folder: it outlives
-        the folder, which each start of the job clears."""
-        return os.path.join(run_dir, JobPaths.JOB_DIRS, JobPaths.NODE_FAILURES.format(job))
+    def job_name(job: str) -> str:
+        """job-<id>: the name of the job's folder, of its copy of the code and of the run's
+        directory when the run is given no name (default_run_name)."""
+        return "job-" + job
 
     @staticmethod
-    def node_failure_records(run_dir: str) -> List[Tuple[str, str]]:
-        """(job, its node_failures file) of each job of the run that pinned a failure on a node, in
-        the order the jobs came (job 9 before job 10)."""
-        folder = os.path.join(run_dir, JobPaths.JOB_DIRS)
-        found = []  # type: List[Tuple[str, str]]
-        for name in os.listdir(folder) if os.path.isdir(folder) else []:
-            match = re.fullmatch(JobPaths.NODE_FAILURES.format("(.+)"), name)
-            if match:
-                found.append((match.group(1), os.path.join(folder, name)))
-        return sorted(found, key=lambda job_path: (len(job_path[0]), job_path[0]))
+    def names_a_job(name: str) -> bool:
+        """Whether a name in the run directory is a job's (job_name): its folder, its copy of the code."""
+        return name.startswith(JobPaths.job_name(""))
 
     @staticmethod
     def is_rank_code(name: str) -> bool:
         """Whether a file of the job's folder is a rank's exit code."""
         return re.fullmatch(JobPaths.RANK_CODE.format(r"\d+"), name) is not None
+
+    # The run directory's files.
+
+    @property
+    def exit_code(self) -> str:
+        return os.path.join(self.run_dir, JobPaths.EXIT_CODE)
+
+    @property
+    def chained_job(self) -> str:
+        return os.path.join(self.run_dir, JobPaths.CHAINED_JOB)
+
+    @property
+    def tracker(self) -> str:
+        return os.path.join(self.run_dir, JobPaths.TRACKER)
+
+    @property
+    def code_copy(self) -> str:
+        """RUN_DIR/code/job-<id>: the copy of the code the job runs, made at its first start."""
+        return os.path.join(self.run_dir, "code", JobPaths.job_name(self.job))
+
+    @property
+    def job_dirs(self) -> str:
+        """The folder of the run's jobs' folders and their node_failures records."""
+        return os.path.join(self.run_dir, JobPaths.JOB_DIRS)
+
+    @property
+    def node_failures(self) -> str:
+        """The file of the failures pinned on a node in the job, beside its folder: it outlives
+        the folder, which each start of the job clears."""
+        return os.path.join(self.job_dirs, JobPaths.NODE_FAILURES.format(self.job))
+
+    def node_failure_records(self) -> List[Tuple[str, str]]:
+        """(job, its node_failures file) of each job of the run that pinned a failure on a node, in
+        the order the jobs came (job 9 before job 10)."""
+        found = []  # type: List[Tuple[str, str]]
+        for name in os.listdir(self.job_dirs) if os.path.isdir(self.job_dirs) else []:
+            match = re.fullmatch(JobPaths.NODE_FAILURES.format("(.+)"), name)
+            if match:
+                found.append((match.group(1), JobPaths(self.run_dir, match.group(1)).node_failures))
+        return sorted(found, key=lambda job_path: (len(job_path[0]), job_path[0]))
+
+    # The job's folder's files.
+
+    def rank_code(self, rank: int) -> str:
+        return os.path.join(self.job_dir, JobPaths.RANK_CODE.format(rank))
+
+    def node_fault(self, rank: int) -> str:
+        return os.path.join(self.job_dir, JobPaths.NODE_FAULT.format(rank))
+
+    @property
+    def requeue(self) -> str:
+        return os.path.join(self.job_dir, JobPaths.REQUEUE)
+
+    @property
+    def continue_command(self) -> str:
+        return os.path.join(self.job_dir, JobPaths.CONTINUE_COMMAND)
+
+    @property
+    def run_dir_taken(self) -> str:
+        return os.path.join(self.job_dir, JobPaths.RUN_DIR_TAKEN)
+
+    @property
+    def world_sizes(self) -> str:
+        return os.path.join(self.job_dir, JobPaths.WORLD_SIZES)
+
+    @property
+    def nodes(self) -> str:
+        return os.path.join(self.job_dir, JobPaths.NODES)
+
+    @property
+    def hung(self) -> str:
+        return os.path.join(self.job_dir, JobPaths.HUNG)
 
 
 def hung_text(ranks: List[Tuple[int, str]]) -> str:

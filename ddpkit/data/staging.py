@@ -31,7 +31,7 @@ from ddpkit.distributed import Runtime, all_ranks_agree
 from ddpkit.launch import PROG, HeldUp, UsageError
 from ddpkit.options import RunOptions
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (imagesets.py)
 LOCK_FILE = ".mnist_ddp.lock"  # a data directory's lock, which names its holder (data_lock)
 LOCK_NOTICE = 5.0  # seconds of waiting for the lock after which a line says who holds it

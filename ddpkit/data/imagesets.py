@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from ddpkit import staging
-from ddpkit.checkpoints import replace_text
+from ddpkit.data import staging
+from ddpkit.data.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
 from ddpkit.distributed import Runtime
+from ddpkit.files import replace_json
 from ddpkit.launch import UsageError
 from ddpkit.options import RunOptions
-from ddpkit.staging import MNIST_LIKE, RAW_FILES, STATS_FILE, MNISTLike, cannot_read, data_lock, files_stamp, walk_readable
 
 FEEDS = ("memory", "stream")
 # Per-channel mean and standard deviation of each training set's pixels, on the 0-1 scale,
@@ -184,6 +184,19 @@ def read_splits(dataset: str, data_dir: Path, wanted: str, rt: Runtime, ranks_on
         raise UsageError(f"{len(train)} training image(s) in {data_dir} cannot be shared among {rt.world_size} ranks: every "
                          f"rank needs at least one; add training images, or run {len(train)} rank(s) at most")
     return train, test
+
+
+def image_shape(dataset: str, data_dir: Path) -> tuple[tuple[int, int, int], int]:
+    """((C, H, W), classes) of --dataset's images without reading them (for --check): an
+    MNIST-like set's are known; a folder's shape is its cached one, else its first training
+    image's (1 channel when it is grayscale), its classes its class folders."""
+    if dataset != "folder":
+        return (1, 28, 28), len(MNIST_LIKE[dataset].classes)
+    listing = list_folder(data_dir)
+    if facts := read_stats_cache(data_dir, listing.fingerprint):
+        return facts.shape, len(listing.classes)
+    (width, height), mode = read_header(listing.train[0][0])
+    return (1 if mode in GRAY_MODES else 3, height, width), len(listing.classes)
 
 
 # ----------------------------------------------------------------------------- choosing the feed
@@ -499,9 +512,8 @@ def read_stats_cache(root: Path, fingerprint: str) -> FolderFacts | None:
 def write_stats_cache(root: Path, fingerprint: str, facts: FolderFacts) -> str:
     """Write the cache atomically (a reader never sees half of it); "" or why it failed."""
     try:
-        replace_text(root / STATS_FILE, json.dumps({"format": STATS_FORMAT, "fingerprint": fingerprint,
-                                                     "images_checked": True, "shape": facts.shape, "mean": facts.mean,
-                                                     "std": facts.std}) + "\n")
+        replace_json(root / STATS_FILE, {"format": STATS_FORMAT, "fingerprint": fingerprint, "images_checked": True,
+                                         "shape": facts.shape, "mean": facts.mean, "std": facts.std})
     except OSError as err:
         return err.strerror or str(err)
     return ""

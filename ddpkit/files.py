@@ -1,0 +1,69 @@
+"""Writes that a crash never leaves half done: each goes to a temporary file beside its
+target, then is renamed over it (atomic on POSIX and NFS), so a reader or a kill meets the
+old file or the new one, never half of one. A failed write removes its temporary file: left
+there, it would keep a full disk full for every later attempt.
+
+Standard library only (torch is imported by save_atomic alone): the hang watchdog and the
+tracker's sender use it too."""
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+TEMPORARY_SUFFIX = ".tmp-"  # a temporary is .NAME.tmp-PID beside NAME (remove_stale_temporaries knows it)
+
+
+def temporary_beside(path: Path, suffix: str = TEMPORARY_SUFFIX) -> Path:
+    return path.with_name(f".{path.name}{suffix}{os.getpid()}")
+
+
+def replace_with(path: Path, write: Callable[[IO], None], *, binary: bool = False, fsync: bool = False,
+                 suffix: str = TEMPORARY_SUFFIX) -> None:
+    """Call `write` on a temporary file beside `path` (and fsync it, with `fsync`), then
+    rename it over `path`. A failed write, a KeyboardInterrupt too, removes the temporary."""
+    tmp = temporary_beside(path, suffix)
+    try:
+        with open(tmp, "wb" if binary else "w") as fh:
+            write(fh)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def replace_text(path: Path, text: str, *, suffix: str = TEMPORARY_SUFFIX) -> None:
+    """Replace `path` with `text`, whole. `suffix`: see replace_json."""
+    replace_with(path, lambda fh: fh.write(text), suffix=suffix)
+
+
+def replace_json(path: Path, value, *, indent: int | None = None, suffix: str = TEMPORARY_SUFFIX) -> None:
+    """Replace `path` with `value` as JSON, whole, one line unless `indent`. `suffix` "." names
+    the temporary .NAME.PID, which remove_stale_temporaries leaves alone: for a file that a
+    process outliving the run's claim of its directory writes (the tracker's sender)."""
+    replace_text(path, json.dumps(value, indent=indent) + "\n", suffix=suffix)
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save `obj` to `path` through a temporary file, fsynced before the rename: a crash
+    mid-write leaves the previous file intact.
+
+    A failure raises an OSError that names `path`: torch.save reports a full disk as a
+    RuntimeError raised while handling it, and a write's OSError names no file."""
+    import torch  # (here alone: the rest of this module serves processes without torch)
+
+    try:
+        replace_with(path, lambda fh: torch.save(obj, fh), binary=True, fsync=True)
+    except BaseException as err:  # KeyboardInterrupt too
+        cause = err if isinstance(err, Exception) else None
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno is not None):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from err
