@@ -117,7 +117,8 @@ class Recipe:
     """The options that set the course of training: a checkpoint resumes only a run with the
     same ones, except those marked changeable, which may differ with --allow-changes. The
     machinery's options (data directories, devices, output, checkpoints) are the kit's
-    RunOptions; --help lists both."""
+    RunOptions; --help lists both. The kit reads global_batch, batch_size, epochs, max_steps
+    and lr by name: keep those."""
     dataset: str = kit.option("mnist-sample", "mnist-sample is the bundled 4,000/1,000-image MNIST sample (offline); folder "
                               "is your own images in --data-dir (DIR/train/<class>/*, DIR/test/<class>/*)", "data",
                               choices=DATASETS)
@@ -238,7 +239,7 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
         return net
     # A name added to MODELS before its branch here: say so, rather than train another network under its name.
     raise kit.UsageError(f"--model {recipe.model} is in MODELS, but build_model has no branch that builds it: add one "
-                                "that returns its nn.Module (docs/adapt.md)")
+                         "that returns its nn.Module (docs/adapt.md)")
 
 
 class WeightAverage:
@@ -264,9 +265,10 @@ class WeightAverage:
 
 @dataclass
 class Training:
-    """The network and what trains it. One network: `model` is it, plain (checkpoints and
-    model.pt hold its weights); `wrapped` is the same network in DDP (and compiled, with
-    --compile), which the training step runs; `average` (--ema) averages its weights."""
+    """The network and what trains it. One network: `model` is it, plain (checkpoints hold its
+    weights); `wrapped` is the same network in DDP (and compiled, with --compile), which the
+    training step runs; `average` (--ema) averages its weights. `scored` is what evaluation
+    scores and model.pt holds."""
     model: nn.Module
     wrapped: nn.Module
     optimizer: torch.optim.Optimizer
@@ -378,8 +380,8 @@ def evaluate(model: nn.Module, test_set: kit.ImageSet, options: kit.RunOptions, 
 def train(run: kit.TrainingRun, job: kit.Job, training: Training, train_set: kit.ImageSet, test_set: kit.ImageSet) -> None:
     """Each epoch: this rank's shard in batches, one optimiser step each, then an evaluation
     of the (averaged) weights and a checkpoint. Every rank runs every line; `run` holds what
-    each event costs (ddpkit/run/training_run.py). A stop ends the loop with kit.Stopped, and the job
-    runner requeues the Slurm job or prints the command that continues the run."""
+    each event costs (kit.TrainingRun). A stop ends the loop with kit.Stopped, and the job runner
+    requeues the Slurm job or prints the command that continues the run."""
     recipe, options, rt, average = job.recipe, job.options, job.rt, training.average
 
     def evaluate_now() -> Evaluation:
@@ -430,8 +432,8 @@ def prepare_and_train(job: kit.Job) -> None:
         kit.split_batch(recipe.global_batch, rt.world_size, recipe.batch_size)  # (one that does not split stops here)
         train_set, test_set = read_data(recipe, options, data_dir, job)
     training = build_training(recipe, options, rt, train_set)
-    average = training.average.model if training.average else None
-    run = job.start_run({"model": training.model, "optimizer": training.optimizer, "average": average}, train_set,
+    averaged = training.average.model if training.average else None  # (the --ema weights, saved with the rest)
+    run = job.start_run({"model": training.model, "optimizer": training.optimizer, "average": averaged}, train_set,
                         on_divergence={"lr": f"{recipe.lr / 3:.3g}"})
     train(run, job, training, train_set, test_set)
 

@@ -1,6 +1,8 @@
 """The kit's face: every name mnist_ddp.py uses, and the only module of ddpkit it imports
 (besides launch.StopSignals, which must catch the stop signals before torch loads). A recipe
-of your own needs these names and nothing else from ddpkit/.
+of your own needs these names and nothing else from ddpkit/. The kit reads five of the
+recipe's options by name (jobs.RECIPE_FIELDS): global_batch, batch_size, epochs, max_steps
+and lr; a recipe without one of them stops in one line.
 
   run_job, Job        the job runner: a process's part of the job, from its options to its exit code
   TrainingRun         what happens around each step and epoch (checkpoints, logs, the agreed stop)

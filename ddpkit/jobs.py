@@ -158,6 +158,16 @@ def record_continue_command(launch: Launch, command: str) -> None:
         write_exit_file(launch, launch.paths.continue_command, command + "\n")
 
 
+# The recipe's options that the kit reads by name: the batch (global, or per rank), how long
+# the run lasts, and the lr (the step --check times).
+RECIPE_FIELDS = ("global_batch", "batch_size", "epochs", "max_steps", "lr")
+
+
+def default_image_shape(recipe: object, options: RunOptions) -> tuple[tuple[int, int, int], int]:
+    """The shape and class count of --dataset's images, for --check (imagesets.image_shape)."""
+    return image_shape(getattr(recipe, "dataset", ""), Path(options.data_dir))
+
+
 @dataclasses.dataclass
 class Job:
     """This process's part of the job: the options, where it stands in the job, the process
@@ -433,11 +443,15 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
         launch = read_launch_env(os.environ, alone_ok=True)
         who = f" [rank {launch.rank}/{launch.world_size} on {socket.gethostname()}]" if launch.world_size > 1 else ""
         recipe, options = parse_options(recipe_class, argv, manual)
+        lacking = [name for name in RECIPE_FIELDS if not hasattr(recipe, name)]
+        if lacking:  # (a copier's recipe: say so in one line, not as an AttributeError in mid-start)
+            raise UsageError(f"the recipe's options ({recipe_class.__name__}) lack {', '.join(lacking)}, which the kit "
+                             f"reads by name (ddpkit/api.py): keep {', '.join(RECIPE_FIELDS)} among them")
         if not options.download_only:
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         if options.check:
             stop.restore()  # nothing to save: a signal ends the check at once
-            images = functools.partial(image_shape, recipe.dataset, Path(options.data_dir))
+            images = functools.partial(step_parts.image_shape or default_image_shape, recipe, options) if step_parts else None
             code = check_job(options, launch, recipe_step(step_parts, recipe, images) if step_parts else None)
             return code
         earlier = unfixable_earlier_exit(launch, who)

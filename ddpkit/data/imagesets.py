@@ -190,8 +190,12 @@ def image_shape(dataset: str, data_dir: Path) -> tuple[tuple[int, int, int], int
     """((C, H, W), classes) of --dataset's images without reading them (for --check): an
     MNIST-like set's are known; a folder's shape is its cached one, else its first training
     image's (1 channel when it is grayscale), its classes its class folders."""
-    if dataset != "folder":
+    if dataset in MNIST_LIKE:
         return (1, 28, 28), len(MNIST_LIKE[dataset].classes)
+    if dataset != "folder":
+        raise UsageError(f"--check knows the images of --dataset {', '.join(MNIST_LIKE)} and folder, not of "
+                         f"{dataset or 'a recipe without --dataset'}: give kit.StepParts an image_shape for them "
+                         "(docs/adapt.md)")
     listing = list_folder(data_dir)
     if facts := read_stats_cache(data_dir, listing.fingerprint):
         return facts.shape, len(listing.classes)

@@ -111,7 +111,8 @@ def run_name_setting() -> str:
 
 
 class JobPaths:
-    """Every file that passes between the supervisor, the ranks and sweep.py: a property of one
+    """Every file of the job's folder and the run directory that passes between the supervisor,
+    the ranks and sweep.py (the run's log, run.json and metrics.jsonl, is runlog.py's): a property of one
     object for each (as submitit's JobPaths(folder, job_id) has one for each file of a job), so
     that no side joins a name by hand. JobPaths(RUN_DIR, job) holds the run directory's files
     and job_dir, the job's own folder (RUN_DIR/exit-codes/job-<id>), with the rest: one folder

@@ -171,19 +171,21 @@ StepMaker = Callable[[torch.device], tuple[str, Callable[[], object]]]
 class StepParts:
     """The recipe's parts that --check builds its timed step of, as the training loop uses them:
     build_model(recipe, shape, classes), build_optimizer(recipe, model) and
-    train_step(model, optimizer, lr, x, y)."""
+    train_step(model, optimizer, lr, x, y); and, for data of the recipe's own (a --dataset
+    the kit does not know), image_shape(recipe, options): ((C, H, W), classes)."""
     build_model: Callable
     build_optimizer: Callable
     train_step: Callable
+    image_shape: Callable | None = None
 
 
 def recipe_step(parts: StepParts, recipe: object, images: Callable[[], tuple[tuple[int, int, int], int]]) -> StepMaker:
-    """One training step of the recipe's model, as it will train: its options (`recipe`: the
+    """One training step of the recipe's model with its options (`recipe`: the
     model, --lr, the global batch, or --batch-size a rank), on a batch of random images of the
     run's shape and class count (`images()`: ((C, H, W), classes)). The same work on every
     rank, for any world size."""
     def make(device: torch.device) -> tuple[str, Callable[[], object]]:
-        shape, classes = images()
+        shape, classes = images()  # (an error here is said as the step's, once the ranks met)
         batch = recipe.batch_size or recipe.global_batch
         torch.manual_seed(0)
         model = parts.build_model(recipe, shape, classes).to(device)

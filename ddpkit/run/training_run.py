@@ -8,7 +8,8 @@ wait for the gradient all-reduce. Every rank makes every call, in the same order
 that talk to the other ranks are among them.
 
 jobs.Job.start_run makes one from the run's plan (plan_run: its batches and schedule, worked
-out from the recipe's numbers and where the run stands); a loss or weights that are not
+out from the recipe's numbers and where the run stands; split_batch, world_sizes and
+check_batch_fits: how a global batch splits among the ranks, one rule for all three); a loss or weights that are not
 finite end it with launch.Diverged, raised from these calls; the loop itself ends a stop
 with launch.Stopped."""
 
@@ -129,7 +130,7 @@ def split_batch(global_batch: int, world_size: int, per_rank: int = 0) -> int:
     if per_rank:
         return per_rank
     if global_batch % world_size:
-        fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        fits = world_sizes(global_batch, 0, global_batch)
         fits = [str(n) for n in sorted(sorted(fits, key=lambda n: abs(n - world_size))[:8])]
         ranks = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
         lower, higher = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size

@@ -8,5 +8,6 @@ supervisor and the ranks agree on is ddpkit/job/contract.py.
   snapshot.py  the copy of the code the job runs, taken at its first start
   step.py      the ranks' check, command line and step (srun or torchrun); the resubmit line; the rendezvous
   outcome.py   what the ranks' exit codes mean (settle); how many nodes a step goes on with after a lost one
-  nodes.py     which node a failure is pinned on, and the nodes the job leaves out
+  nodes.py     which node a failure is pinned on, the nodes the job leaves out, and the step that comes
+               next (next_step, first_step: the policy as plain values)
 """

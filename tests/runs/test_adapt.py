@@ -155,7 +155,7 @@ def test_own_model_or_loss_edited_into_a_copy_trains_stops_and_resumes_on_2_rank
 
 
 # A model of one's own for 3-channel 32 x 32 images (CIFAR's), made the default: it cannot take
-# the check's fixed step of 1-channel 28 x 28 images.
+# the bundled sample's 1-channel 28 x 28 images, which the check times it on by default.
 OWN_DEFAULT_MODEL = (('MODELS = (', 'MODELS = ("cifar", '), ('model: str = kit.option("cnn",', 'model: str = kit.option("cifar",'),
                      ("    channels, height, width = shape\n",
                       "    channels, height, width = shape\n"

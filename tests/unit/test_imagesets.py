@@ -502,3 +502,23 @@ def test_normalize_is_the_old_arithmetic_per_channel():
     assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
     for c in range(3):
         assert torch.equal(x[:, c], normalize_before(colour[:, c], mean[c], std[c])[:, 0])
+
+
+def test_check_reads_the_shape_of_a_data_set_without_its_images_and_names_one_it_cannot(tmp_path):
+    """--check's shape and class count: an MNIST-like set's are known, a folder's come from its
+    first training image (1 x 8 x 8 grayscale here), and a --dataset of the recipe's own is
+    refused in one line that says how to give its shape."""
+    from ddpkit.data.imagesets import image_shape
+    from helpers.images import make_image_folder
+
+    assert image_shape("fashion-mnist", tmp_path) == ((1, 28, 28), 10)
+    colour = make_image_folder(tmp_path / "colour", {"train": 1, "test": 1}, size=8)
+    assert image_shape("folder", colour) == ((3, 8, 8), 3)
+    gray = tmp_path / "gray"
+    for part in ("train", "test"):
+        (gray / part / "a").mkdir(parents=True)
+        Image.new("L", (8, 6)).save(gray / part / "a" / "0.png")
+    assert image_shape("folder", gray) == ((1, 6, 8), 1)
+    with pytest.raises(UsageError, match=r"^--check knows the images of --dataset mnist-sample, mnist, fashion-mnist and "
+                                         r"folder, not of cifar: give kit.StepParts an image_shape for them"):
+        image_shape("cifar", tmp_path)

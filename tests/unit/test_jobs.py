@@ -139,3 +139,31 @@ def test_a_cuda_error_that_says_timed_out_is_the_runs_own_not_a_lost_peer(error)
     any CUDA error not of the node's GPU (docs/recovery.md): exit 1, not a lost peer's 4, which
     the batch file would restart even with one process."""
     assert failure(error, None, None)[1] == EXIT_BUG
+
+
+def test_a_recipe_without_an_option_the_kit_reads_stops_in_one_line(capsys):
+    """A copier's recipe that renamed --global-batch: exit 2 and one line naming what the kit
+    reads by name, before any process group, not an AttributeError in mid-start."""
+    from dataclasses import dataclass
+
+    from ddpkit import jobs
+    from ddpkit.options import option
+
+    @dataclass(frozen=True)
+    class Renamed:
+        batch: int = option(128, "images a step", "training")
+        batch_size: int = option(0, "per rank", "training")
+        epochs: int = option(1, "epochs", "training")
+        max_steps: int = option(0, "cap", "training")
+        lr: float = option(1e-3, "lr", "training")
+
+        def check(self) -> None:
+            pass
+
+    def body(job):
+        raise AssertionError("the body ran")
+
+    assert jobs.run_job(body, Renamed, []) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "mnist_ddp.py: error: the recipe's options (Renamed) lack global_batch, which the kit reads by name "
+        "(ddpkit/api.py): keep global_batch, batch_size, epochs, max_steps, lr among them")

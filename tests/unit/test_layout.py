@@ -87,3 +87,11 @@ def test_the_recipe_is_short_and_its_loop_takes_a_handful_of_parameters():
     for function in (mnist_ddp.train, mnist_ddp.build_training, jobs.Job.start_run):
         parameters = [p for p in inspect.signature(function).parameters if p != "self"]
         assert len(parameters) <= 6, (function.__qualname__, parameters)
+
+
+def test_the_prologues_ctrl_c_line_is_the_kits():
+    """The recipe's prologue cannot import the kit's words for a Ctrl-C before training (it runs
+    while the kit loads): it spells the same line."""
+    from ddpkit.launch import INTERRUPTED, PROG
+
+    assert f'print("{PROG}: error: {INTERRUPTED}", file=sys.stderr)' in (ROOT / "mnist_ddp.py").read_text()
