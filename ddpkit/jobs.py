@@ -451,8 +451,11 @@ def run_job(body: Callable[[Job], None], recipe_class: type, argv: list[str] | N
             launch = read_launch_env(os.environ)  # (a bare python in an salloc shell would train alone: refused)
         if options.check:
             stop.restore()  # nothing to save: a signal ends the check at once
-            images = functools.partial(step_parts.image_shape or default_image_shape, recipe, options) if step_parts else None
-            code = check_job(options, launch, recipe_step(step_parts, recipe, images) if step_parts else None)
+            step = None
+            if step_parts:
+                images = functools.partial(step_parts.image_shape or default_image_shape, recipe, options)
+                step = recipe_step(step_parts, recipe, images)
+            code = check_job(options, launch, step)
             return code
         earlier = unfixable_earlier_exit(launch, who)
         if earlier:
