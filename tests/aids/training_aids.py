@@ -19,6 +19,10 @@
                        after the step, so that a run has a known length whatever the load
   AID_NO_MODULE=M,N    the modules M and N cannot be imported, as if their packages were not
                        installed (read at start-up: for a fresh interpreter, not a forked run)
+  AID_LOCKS_EXCLUDE_NOTHING=1|H  fcntl.lockf and fcntl.flock succeed at once and exclude
+                       nobody, as between two nodes on an NFS mount with nolock or local_lock,
+                       or Lustre with localflock (H: only in processes on the host named H;
+                       read at start-up: for a fresh interpreter)
   AID_THREADS_AT_EXIT=1  a rank (RANK or SLURM_PROCID set) says on stderr, as its interpreter
                        begins to exit (atexit), which threads it still has, by their names in
                        /proc (read at start-up: for a fresh interpreter)
@@ -220,6 +224,18 @@ def say_threads():
     os.write(2, f"aid: rank {rank} threads at exit: {' '.join(names)}\n".encode())  # (one write: ranks share stderr)
 
 
+def locks_exclude_nothing():
+    """AID_LOCKS_EXCLUDE_NOTHING: replace fcntl's two locks by calls that lock nothing."""
+    import fcntl
+    import socket
+
+    wanted = os.environ.get("AID_LOCKS_EXCLUDE_NOTHING", "")
+    if wanted == "1" or (wanted and wanted == socket.gethostname()):
+        fcntl.lockf = fcntl.flock = lambda fd, operation, *rest: None
+
+
+if os.environ.get("AID_LOCKS_EXCLUDE_NOTHING"):
+    locks_exclude_nothing()
 if os.environ.get("AID_THREADS_AT_EXIT") == "1" and (os.environ.get("RANK") or os.environ.get("SLURM_PROCID")):
     import atexit
     atexit.register(say_threads)
