@@ -60,7 +60,9 @@ class RunOptions:
     check: bool = option(False, "check the job instead of training, in about a minute: every rank joins (within "
                          "--dist-timeout or 60 s, the shorter) and says its host, device, CPUs, GPUs, network interface "
                          "and versions; an all-reduce with a known answer; a timed 64 MB all-reduce; a timed training step "
-                         "on every rank and a timed exchange between each pair of nodes, naming what is slow. Exit 0 "
+                         "on every rank and a timed exchange between each pair of nodes, naming what is slow; for "
+                         "--log-dir and --data-dir, each node's file system, how soon the others see a file written "
+                         "there and whether a lock excludes across nodes. Exit 0 "
                          "(slow or not), 4 naming the ranks and hosts that never joined, 5 when a node's GPU fails the "
                          "step, 1 for another error", "distributed")
     # speed (for GPUs; they run on CPUs too, where they rarely help)

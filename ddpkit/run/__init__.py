@@ -11,4 +11,5 @@
   trackers.py      --tracker: MLflow or W&B as one run across every start, each step once, from a sender process
   doctor.py        --check: every rank joins and is described, a known-answer and a timed all-reduce, the
                    recipe's step timed on every rank and the links between nodes; what is slow, named
+  storage_check.py --check's storage: each node's file system, a file seen across nodes, locks across nodes
 """

@@ -3,7 +3,10 @@ of training. Every rank joins the rendezvous within min(--dist-timeout, 60 s) an
 it is; rank 0 names the ranks, and their hosts, that never came, and what to try. Then the
 backend connects the ranks, one all-reduce with a known answer checks the sums, and one
 timed all-reduce of 64 MB gives the bandwidth. Rank 0 prints each rank's host, device,
-CPUs, GPUs, network interface and versions.
+CPUs, GPUs, network interface and versions. Then the storage (storage_check.py): LOG_DIR's
+and DATA_DIR's file system and lock options on each node, how soon the other nodes see a
+file that rank 0 writes there, and whether a lock that rank 0 holds excludes their ranks; a
+lock that does not is said in one line, and fails nothing.
 
 Then the speeds: every rank times one training step of the recipe's own model on random
 images of the run's shape, on its own device (recipe_step),
@@ -36,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,6 +49,7 @@ from ddpkit.job.contract import EXIT_BUG, EXIT_LOST_PEER, EXIT_NODE_FAULT
 from ddpkit.launch import Launch, expand_hostlist, process_age, tasks_on_node
 from ddpkit.options import RunOptions
 from ddpkit.run.recovery import node_fault
+from ddpkit.run.storage_check import VISIBLE_WAIT, check_storage_all_ranks
 from ddpkit.run.stragglers import SLOW_FACTOR
 
 CHECK_TIMEOUT = 60.0  # seconds the ranks wait for each other, at most (--dist-timeout, if shorter)
@@ -209,6 +214,8 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
     me = describe_rank(rank, device, backend if n > 1 else "none")
     if n == 1:
         say(f"check: one rank, nothing to meet: {table_line(me)}")
+        for line in check_storage_all_ranks(storage_folders(options), [me["node"]], 0):
+            say(line)
         say(f"check passed in {process_age():.1f} s")
         return 0
     # 1. The rendezvous: every rank leaves its description in the store that rank 0 holds
@@ -275,8 +282,23 @@ def check_job(options: RunOptions, launch: Launch, make_step: StepMaker | None =
                 f"({TIMED_BYTES / seconds / 1e9:.2f} GB/s, bus bandwidth {bus / 1e9:.2f} GB/s)")
     if not right:
         return EXIT_BUG
-    # 3. The speeds: every rank's training step, and the link between each pair of nodes.
+    # 3. The storage: LOG_DIR's and DATA_DIR's file system on each node, what another node
+    # sees of a file rank 0 wrote, and whether a lock excludes across nodes (never a failure).
+    try:
+        storage = check_storage_all_ranks(storage_folders(options), nodes, rank, min(VISIBLE_WAIT, timeout / 2))
+    except Exception as err:
+        say(f"check failed: rank {rank} on {me['host']} lost contact with the others while the storage was probed "
+            f"({first_line(err)}); {network_hints(launch, backend, 'every node')}")
+        return EXIT_LOST_PEER
+    for line in storage:
+        say(line)
+    # 4. The speeds: every rank's training step, and the link between each pair of nodes.
     return check_speeds(made, device, nodes, me=me, hints=network_hints(launch, backend, "every node"))
+
+
+def storage_folders(options: RunOptions) -> dict[str, Path]:
+    """The folders whose storage the check looks at, by the names the batch file gives them."""
+    return {"LOG_DIR": Path(options.log_dir), "DATA_DIR": Path(options.data_dir)}
 
 
 def make_check_step(make_step: StepMaker | None, device: torch.device) -> tuple[str, Callable[[], object]] | Exception | None:

@@ -1,4 +1,5 @@
-"""mnist_ddp.py --check, the one-minute doctor, without Slurm: one process, two ranks under
+"""mnist_ddp.py --check, the one-minute doctor, without Slurm: one process (its storage's file
+systems: one node cannot tell what locks do across nodes), two ranks under
 torchrun (each rank's line, the known-answer and the timed all-reduce, the timed training
 step, exit 0), three ranks under torchrun of which one is slow (named, without the --exclude
 of its host, the job's only one; exit 0 still), and a rank that never comes (exit 4 within
@@ -23,6 +24,9 @@ def test_check_of_one_process(tmp_path):
     assert_ok(result)
     assert re.search(r"^check: one rank, nothing to meet: \S+  cpu  \d+ CPUs? \([\d,-]+\)  0 GPUs", result.stdout, re.M)
     assert re.search(r"^check passed in [\d.]+ s$", result.stdout, re.M)
+    for label in ("LOG_DIR", "DATA_DIR"):  # (their file system; what locks do across nodes, one node cannot tell)
+        assert re.search(rf"^check: {label} /\S+ \(not there yet: probed in its parent\): \S+ \S+ on /\S*.*; whether its "
+                         r"locks exclude across nodes cannot be told with one node$", result.stdout, re.M), result.stdout
     assert not (tmp_path / "runs").exists()  # nothing trained, nothing written
 
 

@@ -6,8 +6,12 @@ three pairs of nodes (none of them slowed: no line blames ftn2's network for its
 steps), and still passes (exit 0: slow, not broken). The links are veth pairs on one
 machine of 2 cores, which other tests' jobs may load at the same moment (one run here timed
 ftn1-ftn2 at 1.6x the median), so whether any one link passes for slow is left to the unit
-tests of the rule: tests/unit/test_doctor_speeds.py. The lines and times it prints are
-docs/clusters.md's.
+tests of the rule: tests/unit/test_doctor_speeds.py. In the same job, fcntl's locks lock
+nothing on ftn2 (the aid AID_LOCKS_EXCLUDE_NOTHING=ftn2, as a mount with nolock or local_lock
+between nodes): for LOG_DIR and DATA_DIR the check names each node's file system, sees rank
+0's file on ftn2 and ftn3, finds that rank 0's lock excludes ftn3's rank but not ftn2's, and
+says so in one line a folder, with the lease that covers it (exit 0 still). The lines and
+times it prints are docs/clusters.md's.
 
     python -m pytest tests/cluster/mostly_waiting/test_check_on_three_nodes.py
 """
@@ -21,7 +25,8 @@ from helpers.cluster import finish
 def test_check_names_the_slow_node_of_three_and_the_exclude_that_leaves_it_out(three_nodes, tmp_path):
     options = ["--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"]
     submitted = time.monotonic()
-    job_id, out = finish(three_nodes.sbatch(tmp_path, options, [], CHECK="1", AID_SLOW_HOST="ftn2:0.5"), tmp_path)
+    job_id, out = finish(three_nodes.sbatch(tmp_path, options, [], CHECK="1", AID_SLOW_HOST="ftn2:0.5",
+                                            AID_LOCKS_EXCLUDE_NOTHING="ftn2"), tmp_path)
     print(f"\n{chr(10).join(re.findall(r'^(?:0: check.*|START .*|END .*)$', out, re.M))}\n"
           f"from sbatch to END: {time.monotonic() - submitted:.1f} s")
     slow = re.findall(r"^0: check: (?:node|rank) .* is slow: .*$", out, re.M)
@@ -38,3 +43,17 @@ def test_check_names_the_slow_node_of_three_and_the_exclude_that_leaves_it_out(t
     assert re.search(r"^0: check passed in [\d.]+ s: every rank joined, .*; every step will wait for the slow ones "
                      r"above$", out, re.M), out[-3000:]
     assert re.search(rf"^END .* job={job_id} exit=0 \(CHECK=1: nothing was trained\)$", out, re.M)
+    for label in ("LOG_DIR", "DATA_DIR"):
+        storage = re.findall(rf"^0: check: (?:locks on )?{label} .*$", out, re.M)
+        fs = r"\S+ \S+ on /\S*(?: \([^)]*\))?"  # (the host's file system: the nodes share it)
+        where = rf"{label} /\S+(?: \(not there yet: probed in its parent\))?"
+        expected = [
+            rf"0: check: {where} on ftn1: {fs}; rank 0 wrote a file here and holds a lock on it",
+            rf"0: check: {label} on ftn2: {fs}; the file written on ftn1 was seen after \d+\.\d\d s; a lock held on ftn1 "
+            r"does not exclude a rank here",
+            rf"0: check: {label} on ftn3: {fs}; the file written on ftn1 was seen after \d+\.\d\d s; a lock held on ftn1 "
+            r"excludes a rank here",
+            rf"0: check: locks on {label} \([^)]+\) do not exclude across nodes \(ftn2 took one that ftn1 held\): the "
+            r"run's claim and the data lock use a lease \(mkdir\), which does"]
+        assert len(storage) == len(expected), storage or out[-3000:]
+        assert all(re.fullmatch(line, text) for line, text in zip(expected, storage, strict=True)), storage
