@@ -9,6 +9,7 @@ tracker's sender use it too."""
 import contextlib
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -67,3 +68,35 @@ def save_atomic(obj, path: Path) -> None:
         if cause is None:
             raise
         raise OSError(cause.errno, cause.strerror, str(path)) from err
+
+
+
+# ----------------------------------------------------------------------------- shared storage
+# What one node wrote, as another sees it on NFS: its lookup and attribute caches may answer
+# for seconds with a name that is not there yet, a handle of the file a rename replaced, or
+# the file's old size. Where ranks on several nodes create or read one file, they retry.
+
+FOLDER_TRIES = 8  # make_folder's attempts, 0.05 s apart and doubling: 6.4 s of pauses at most
+FOLDER_PAUSE = 0.05
+
+
+def make_folder(path: Path | str) -> Path:
+    """Create the folder `path` and its parents, as mkdir(parents=True, exist_ok=True), for a
+    folder that several ranks or nodes may create at once. On NFS, another host's mkdir of the
+    same component shows as EEXIST on a name this host does not see yet, or as ENOENT on a
+    parent another host removed and made again (or that this host does not see yet):
+    Path.mkdir raises either. Both are retried, FOLDER_TRIES times in all; any other error
+    (EROFS, ENOSPC, EACCES, a file in the way) raises at once."""
+    path, pause = Path(path), FOLDER_PAUSE
+    for attempt in range(1, FOLDER_TRIES + 1):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            break
+        except (FileExistsError, FileNotFoundError):
+            in_the_way = any(os.path.exists(p) and not os.path.isdir(p) for p in (path, *path.parents))
+            if in_the_way or attempt == FOLDER_TRIES:
+                raise
+        time.sleep(pause)
+        pause *= 2
+    return path
+

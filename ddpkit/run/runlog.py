@@ -23,7 +23,7 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from ddpkit.distributed import Runtime, all_reduce
-from ddpkit.files import replace_json, replace_text
+from ddpkit.files import make_folder, replace_json, replace_text
 from ddpkit.launch import Launch
 from ddpkit.run.trackers import NoTracker, Tracker, epoch_scalars
 
@@ -224,7 +224,7 @@ def declare_hparams(log_dir: Path, hparams: HParams) -> None:
         info.domain_discrete.extend(hparams.choices.get(info.name, ()))
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name) for tag, name in HPARAM_METRICS.items()]
     try:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(log_dir)  # (the runs of a sweep, on several nodes at once)
         os.close(os.open(log_dir / ".hparams-declared", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return  # another run of this directory (an array task) did it
