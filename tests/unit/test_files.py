@@ -7,6 +7,8 @@ Shared storage: make_folder with processes racing to make one deep folder, and w
 answers NFS gives another host mid-race made at a chosen moment (a parent removed between
 two of Path.mkdir's steps, EEXIST for a name not yet seen): it retries those, a bounded
 number of times, and raises a real error (a file in the way, EROFS) at once.
+read_written_elsewhere retries ENOENT, ESTALE and a file shorter than its writer saw, then
+gives up in one line that names the file and its file system.
 
     python -m pytest tests/unit/test_files.py
 """
@@ -17,12 +19,13 @@ import multiprocessing
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
 
 import ddpkit.files
-from ddpkit.files import make_folder, replace_json, replace_text, save_atomic
+from ddpkit.files import FileNotSeen, file_system, make_folder, read_written_elsewhere, replace_json, replace_text, save_atomic
 from ddpkit.run.checkpoints import remove_stale_temporaries
 from helpers.checkpoints import names
 
@@ -185,3 +188,50 @@ def test_a_read_only_file_system_raises_at_once(tmp_path, mkdir_calls):
         make_folder(tmp_path / "runs")
     assert raised.value.errno == errno.EROFS and len(calls) == 1
 
+
+# ----------------------------------------------------------------------------- read_written_elsewhere
+
+def test_stale_handles_are_retried(tmp_path):
+    path, opens = tmp_path / "ckpt-00000010.pt", []
+    path.write_bytes(b"weights")
+
+    def read(p):
+        opens.append(p)
+        if len(opens) <= 3:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(p))
+        return p.read_bytes()
+    assert read_written_elsewhere(path, read) == b"weights" and len(opens) == 4
+
+
+def test_a_file_shorter_than_its_writer_saw_is_read_once_whole(tmp_path):
+    path = tmp_path / "ckpt-00000010.pt"
+    path.write_bytes(b"half")
+    threading.Timer(0.3, lambda: path.write_bytes(b"half and the rest")).start()
+    assert read_written_elsewhere(path, lambda p: p.read_bytes(), size=len(b"half and the rest")) == b"half and the rest"
+
+
+def test_a_whole_file_that_does_not_load_raises_at_once(tmp_path):
+    path = tmp_path / "ckpt-00000010.pt"
+    path.write_bytes(b"garbage")
+
+    def load(p):
+        raise RuntimeError("PytorchStreamReader failed reading zip archive")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError):
+        read_written_elsewhere(path, load, size=len(b"garbage"), short_read=(RuntimeError,))
+    assert time.monotonic() - began < 5  # (not the retries' 60 s)
+
+
+def test_a_file_never_seen_is_named_with_its_file_system(tmp_path):
+    path = tmp_path / "checkpoints" / "ckpt-00000010.pt"
+    mount, kind = file_system(tmp_path)
+    with pytest.raises(FileNotSeen) as gave_up:
+        read_written_elsewhere(path, lambda p: p.read_bytes(), seconds=0.3)
+    assert str(gave_up.value) == (
+        f"cannot read {path} (No such file or directory) after 0.3 s of retries: it is on {kind} at {mount}, where another "
+        "node wrote it, and this node does not see it whole; check that the file system is mounted alike on every node "
+        f"(findmnt {mount}), then run the same command again: nothing saved is lost")
+
+
+def test_the_file_system_is_the_innermost_mount(full_disk):
+    assert file_system(full_disk / "ckpt.pt") == (str(full_disk), "tmpfs")
