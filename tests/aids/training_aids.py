@@ -28,6 +28,10 @@
                        raise OSError(ESTALE), as on NFS while another node's rename of the
                        file is news to this one; each says so on stderr (builtins.open, which
                        torch.load opens a path with, wrapped as ddpkit.run.checkpoints is imported)
+  AID_EVENTS_FAIL_AFTER=N  after N writes to TensorBoard event files (events.out.tfevents.*),
+                       each later one raises OSError(EIO), as on shared storage whose server
+                       went away (TensorBoard's gfile, whose LocalFileSystem does each write of
+                       its writer thread, wrapped as it is imported)
   AID_THREADS_AT_EXIT=1  a rank (RANK or SLURM_PROCID set) says on stderr, as its interpreter
                        begins to exit (atexit), which threads it still has, by their names in
                        /proc (read at start-up: for a fresh interpreter)
@@ -38,7 +42,8 @@ holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks, Sl
 and the tests' forkserver imports it before it imports ddpkit. The module wraps
 TrainingRun's methods as ddpkit.run.training_run is imported, the doctor's time_step as
 ddpkit.run.doctor is, wrap_ddp as ddpkit.distributed is, data_lock as ddpkit.data.staging
-is and builtins.open as ddpkit.run.checkpoints is (or at once, if they already were). The
+is, builtins.open as ddpkit.run.checkpoints is and TensorBoard's LocalFileSystem as its gfile
+is (or at once, if they already were). The
 wrappers read the variables when they are called, so that a run forked from a process that
 imported ddpkit before the run's environment was known reads its own; unset, they do nothing.
 
@@ -53,6 +58,7 @@ import time
 
 TRAINING_RUN = "ddpkit.run.training_run"
 CHECKPOINTS = "ddpkit.run.checkpoints"
+GFILE = "tensorboard.compat.tensorflow_stub.io.gfile"
 DOCTOR = "ddpkit.run.doctor"
 DISTRIBUTED = "ddpkit.distributed"
 STAGING = "ddpkit.data.staging"
@@ -228,8 +234,31 @@ def aid_checkpoints(module):
     builtins.open = estale_open
 
 
+def aid_gfile(module):
+    """Wrap the write and append of `module`'s LocalFileSystem (TensorBoard's gfile, just
+    imported), once: with AID_EVENTS_FAIL_AFTER=N, the writes to event files past the N-th raise EIO."""
+    local = module.LocalFileSystem
+    if getattr(local, "aided", False):
+        return
+    local.aided = True
+    import errno
+    written = []  # (this process's writes to event files so far)
+
+    def failing(plain):
+        def write(self, filename, *args, **kwargs):
+            after = os.environ.get("AID_EVENTS_FAIL_AFTER", "")
+            if after and os.path.basename(str(filename)).startswith("events.out.tfevents."):
+                written.append(filename)
+                if len(written) > int(after):
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))  # (as a write's error: it names no file)
+            return plain(self, filename, *args, **kwargs)
+        return write
+
+    local.write, local.append = failing(local.write), failing(local.append)
+
+
 AIDED = {TRAINING_RUN: aid, DOCTOR: aid_doctor, DISTRIBUTED: aid_distributed, STAGING: aid_staging,
-         CHECKPOINTS: aid_checkpoints}  # module: what wraps it once it has run
+         CHECKPOINTS: aid_checkpoints, GFILE: aid_gfile}  # module: what wraps it once it has run
 
 
 class AidOnImport(importlib.abc.MetaPathFinder):
