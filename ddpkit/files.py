@@ -7,12 +7,15 @@ Standard library only (torch is imported by save_atomic alone): the hang watchdo
 tracker's sender use it too."""
 
 import contextlib
+import errno
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
+T = TypeVar("T")
 TEMPORARY_SUFFIX = ".tmp-"  # a temporary is .NAME.tmp-PID beside NAME (remove_stale_temporaries knows it)
 
 
@@ -67,3 +70,94 @@ def save_atomic(obj, path: Path) -> None:
         if cause is None:
             raise
         raise OSError(cause.errno, cause.strerror, str(path)) from err
+
+
+
+# ----------------------------------------------------------------------------- shared storage
+# What one node wrote, as another sees it on NFS: its lookup and attribute caches may answer
+# for seconds with a name that is not there yet, a handle of the file a rename replaced, or
+# the file's old size. Where ranks on several nodes create or read one file, they retry.
+
+FOLDER_TRIES = 8  # make_folder's attempts, 0.05 s apart and doubling: 6.4 s of pauses at most
+FOLDER_PAUSE = 0.05
+
+
+def make_folder(path: Path | str) -> Path:
+    """Create the folder `path` and its parents, as mkdir(parents=True, exist_ok=True), for a
+    folder that several ranks or nodes may create at once. On NFS, another host's mkdir of the
+    same component shows as EEXIST on a name this host does not see yet, or as ENOENT on a
+    parent another host removed and made again (or that this host does not see yet):
+    Path.mkdir raises either. Both are retried, FOLDER_TRIES times in all; any other error
+    (EROFS, ENOSPC, EACCES, a file in the way) raises at once."""
+    path, pause = Path(path), FOLDER_PAUSE
+    for attempt in range(1, FOLDER_TRIES + 1):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            break
+        except (FileExistsError, FileNotFoundError):
+            in_the_way = any(os.path.exists(p) and not os.path.isdir(p) for p in (path, *path.parents))
+            if in_the_way or attempt == FOLDER_TRIES:
+                raise
+        time.sleep(pause)
+        pause *= 2
+    return path
+
+
+REREAD_SECONDS = 60.0  # how long read_written_elsewhere retries a file it does not see whole
+REREAD_PAUSES = (0.1, 5.0)  # its first pause, doubling up to the second
+REREAD_ERRNOS = (errno.ENOENT, errno.ESTALE)
+
+
+class FileNotSeen(Exception):
+    """read_written_elsewhere gave up: the message is the one line for the user."""
+
+
+def read_written_elsewhere(path: Path, read: Callable[[Path], T], *, size: int | None = None,
+                           short_read: tuple[type[BaseException], ...] = (), seconds: float | None = None) -> T:
+    """`read(path)`, for a file another node may have written moments ago (the checkpoint
+    rank 0 chose). ENOENT and ESTALE are retried for `seconds` (REREAD_SECONDS), with pauses
+    from 0.1 s doubling to 5 s, and so is a short file: one smaller than `size`, the size its
+    writer saw (when it told it), or one whose `read` raised an exception of `short_read`
+    (torch.load of a truncated file: RuntimeError, EOFError) while its size was not yet
+    `size`. Then FileNotSeen, whose line names the file, its file system and what to do."""
+    seconds = REREAD_SECONDS if seconds is None else seconds
+    deadline, pause = time.monotonic() + seconds, REREAD_PAUSES[0]
+    while True:
+        try:
+            seen = os.stat(path).st_size
+            if size is None or seen >= size:
+                try:
+                    return read(path)
+                except short_read:
+                    if size is None:
+                        raise
+                    seen = os.stat(path).st_size
+                    if seen >= size:
+                        raise  # (whole, and unreadable all the same: not the file system's doing)
+            why = f"{seen} of its {size} bytes"
+        except OSError as err:
+            if err.errno not in REREAD_ERRNOS:
+                raise
+            why = err.strerror or errno.errorcode.get(err.errno, str(err.errno))
+        if time.monotonic() + pause > deadline:
+            mount, kind = file_system(path)
+            raise FileNotSeen(f"cannot read {path} ({why}) after {seconds:g} s of retries: it is on {kind} at {mount}, "
+                              "where another node wrote it, and this node does not see it whole; check that the "
+                              f"file system is mounted alike on every node (findmnt {mount}), then run the same "
+                              "command again: nothing saved is lost")
+        time.sleep(pause)
+        pause = min(2 * pause, REREAD_PAUSES[1])
+
+
+def file_system(path: Path | str) -> tuple[str, str]:
+    """(the mount point, the file system's type) that holds `path`, from /proc/self/mountinfo;
+    ("?", "an unknown file system") where it cannot be read."""
+    target, best, longest = os.path.realpath(path), ("?", "an unknown file system"), -1
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:  # (the innermost mount holds the path: the longest point that contains it)
+                fields, _, rest = line.partition(" - ")
+                point = fields.split()[4].encode().decode("unicode_escape")  # (a space in it is \\040)
+                if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > longest:
+                    best, longest = (point, rest.split()[0]), len(point)
+    return best

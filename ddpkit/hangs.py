@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.files import replace_json
+from ddpkit.files import make_folder, replace_json
 
 KIT = Path(__file__).resolve().parent   # ddpkit/
 PYTHON_LIBRARY = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -356,7 +356,7 @@ class HangWatch:
         interpreter's lock, in a step or anywhere), faulthandler writes the stacks from C. While
         the thread looks, every TICK, it never comes to that."""
         if self.file is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            make_folder(self.folder)  # (every rank's watch)
             self.file = open(self.stacks, "a")
         faulthandler.dump_traceback_later(self.hang_after + 2 * TICK, repeat=False, file=self.file)
 

@@ -255,12 +255,13 @@ class Job:
         AlreadyComplete when it finished the run."""
         recipe, options, rt, launch = self.recipe, self.options, self.rt, self.launch
         continuing = f"attempt {launch.attempt}, requeued {launch.requeues}x" if launch.continues_job else ""
-        ckpt_path, changed = agree_on_checkpoint(options.resume, options.allow_changes, dataclasses.asdict(recipe),
-                                                 changeable(type(recipe)), rt, self.run_dir, continuing)
+        ckpt_path, changed, size = agree_on_checkpoint(options.resume, options.allow_changes,
+                                                       dataclasses.asdict(recipe), changeable(type(recipe)), rt,
+                                                       self.run_dir, continuing)
         progress, loss_sums = Progress(), torch.zeros(2, dtype=torch.float64, device=rt.device)
         if ckpt_path:
             progress, loss_sums = resume_from(Path(ckpt_path), state, rt, global_batch=global_batch, epochs=epochs,
-                                              max_steps=max_steps, classes=classes, shape=shape)
+                                              max_steps=max_steps, classes=classes, shape=shape, size=size)
         self.progress = progress
         if progress.finished and run_is_done(progress, epochs, max_steps):
             longer = {"epochs": str(epochs + 4)} if progress.epoch > epochs else {}

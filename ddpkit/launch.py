@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.files import make_folder
 from ddpkit.job.contract import NOT_RETRIED, JobEnv, JobPaths, node_fault_text, port_from_job_id, read_codes, this_job
 
 PROG = "mnist_ddp.py"
@@ -362,7 +363,7 @@ def write_exit_file(launch: Launch, path: str, text: str) -> None:
     """Leave a file for the job's supervisor in the job's folder (JobEnv.EXIT_DIR), if there is
     one: `path`, one of launch.paths."""
     if launch.exit_dir:
-        Path(launch.exit_dir).mkdir(parents=True, exist_ok=True)
+        make_folder(launch.exit_dir)  # (every rank: make_folder bears the others' race)
         Path(path).write_text(text)
 
 

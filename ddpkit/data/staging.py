@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_ranks_agree
+from ddpkit.files import make_folder
 from ddpkit.launch import PROG, HeldUp, UsageError
 from ddpkit.options import RunOptions
 
@@ -86,7 +87,7 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: R
     hung in a C call or is gone (a rank of this job, on another node) beats no more."""
     path = data_dir / LOCK_FILE
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(data_dir)  # (each node's first rank, and other jobs, at once)
         lock_file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b", buffering=0)  # (no truncation: a holder's record)
     except OSError as err:
         raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}){lacking}; pass a writable {flag}, or "

@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 
 from ddpkit.distributed import Runtime, broadcast_from_main, gather_to_all
-from ddpkit.files import TEMPORARY_SUFFIX, save_atomic
+from ddpkit.files import TEMPORARY_SUFFIX, FileNotSeen, read_written_elsewhere, save_atomic
 from ddpkit.job.contract import CKPT_DIR, CKPT_NAME, run_name_setting, step_of_checkpoint
-from ddpkit.launch import UsageError
+from ddpkit.launch import HeldUp, UsageError
 from ddpkit.options import flag
 
 
@@ -335,15 +335,24 @@ def run_is_done(progress: Progress, epochs: int, max_steps: int) -> bool:
 
 def resume_from(path: Path, state: Mapping[str, object], rt: Runtime, *, global_batch: int, epochs: int,
                 max_steps: int, classes: tuple[str, ...] | None = None,
-                shape: tuple[int, int, int] | None = None) -> tuple[Progress, torch.Tensor]:
-    """Load a checkpoint rank 0 chose into `state` (the recipe's model, optimizer, ...);
-    returns where to go on and this rank's loss sums of the epoch in progress. A checkpoint
+                shape: tuple[int, int, int] | None = None, size: int | None = None) -> tuple[Progress, torch.Tensor]:
+    """Load a checkpoint rank 0 chose (`size` bytes, as rank 0 saw it) into `state` (the recipe's
+    model, optimizer, ...); returns where to go on and this rank's loss sums of the epoch in
+    progress. Every rank reads the file itself, as torch.distributed.checkpoint's loads do:
+    rank 0 sending the state over the process group would hold it twice in memory, and on
+    the GPU under NCCL. On another node than rank 0's, NFS may not show the file whole for
+    a while (read_written_elsewhere retries it, REREAD_SECONDS); past that, HeldUp (exit 4,
+    which a restart may fix) in one line that names the file and its file system. A checkpoint
     of other `classes` (another image folder) or of images of another `shape` is refused.
     At another world size with the same `global_batch`, the run goes on at the saved step:
     each global batch holds the same images at any world size (mnist_ddp.epoch_shard)."""
     # Read onto the CPU: load_state_dict places each tensor beside its parameter (the fused
     # AdamW's step counts too, which its kernel reads on the parameters' device).
-    ckpt = read_checkpoint(path, "cpu")
+    try:  # (torch.load of a file cut short raises RuntimeError or EOFError)
+        ckpt = read_written_elsewhere(path, lambda p: read_checkpoint(p, "cpu"), size=size,
+                                      short_read=(RuntimeError, EOFError))
+    except FileNotSeen as err:
+        raise HeldUp(str(err)) from None
     refuse_other_data(path, ckpt, classes, shape)
     for name, thing in state.items():
         if thing is None:
@@ -450,17 +459,17 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer, saved: dict) ->
 
 
 def agree_on_checkpoint(resume: str, allow_changes: bool, recipe: dict, changeable: tuple[str, ...], rt: Runtime,
-                        run_dir: Path, continuing: str = "") -> tuple[str, str]:
+                        run_dir: Path, continuing: str = "") -> tuple[str, str, int | None]:
     """Rank 0 picks the checkpoint (or the error) and tells every rank: (path or "", what
-    --allow-changes let differ)."""
-    choice = ["", "", ""]
+    --allow-changes let differ, the file's size as rank 0 sees it: resume_from's `size`)."""
+    choice = ["", "", "", None]
     if rt.is_main:
         try:
             path, changed = find_checkpoint(resume, allow_changes, recipe, changeable, run_dir, continuing)
-            choice = [str(path or ""), changed, ""]
+            choice = [str(path or ""), changed, "", path.stat().st_size if path else None]
         except UsageError as err:
-            choice = ["", "", str(err)]
-    path, changed, error = broadcast_from_main(choice, "choosing the checkpoint to resume from")
+            choice = ["", "", str(err), None]
+    path, changed, error, size = broadcast_from_main(choice, "choosing the checkpoint to resume from")
     if error:
         raise UsageError(error if rt.is_main else "rank 0 cannot resume; see its error")
-    return path, changed
+    return path, changed, size

@@ -15,6 +15,7 @@ import torch
 
 from ddpkit import hangs
 from ddpkit.distributed import Runtime
+from ddpkit.files import make_folder
 
 WARMUP = 3           # steps of this start before --profile N begins: the first ones allocate and tune
 ON_REQUEST = 10      # steps a profile-now request records when --profile is 0
@@ -93,7 +94,7 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.began
         self.profiler.stop()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_folder(self.folder)  # (every rank writes its trace there)
         trace = self.folder / f"rank-{self.rank}.json"
         self.profiler.export_chrome_trace(str(trace))
         if self.is_main:

@@ -210,7 +210,7 @@ def storage_problem(err: BaseException, options: RunOptions | None) -> str:
         return ""
     fix = STORAGE_FIXES[err.errno]
     if not err.filename:
-        # A buffered write's error (TensorBoard's writer thread, a log line) names no file;
+        # A buffered write's error (a log line; TensorBoard's are runlog.EventFile's) names no file;
         # a full disk is the user's to fix all the same.
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             return ""

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ddpkit.distributed import Runtime, broadcast_from_main
+from ddpkit.files import make_folder
 from ddpkit.job.contract import JobPaths, default_run_name, run_name_setting
 from ddpkit.launch import Launch, UsageError, write_exit_file
 from ddpkit.options import RunOptions
@@ -30,7 +31,7 @@ def choose_run_dir(config: RunOptions, launch: Launch) -> Path:
     if launch.job_id:
         return Path(config.log_dir, default_run_name(launch.job_id))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    make_folder(config.log_dir)  # (other jobs may make it at the same moment, on other nodes)
     for n in itertools.count(1):
         path = Path(config.log_dir, stamp if n == 1 else f"{stamp}-{n}")
         with contextlib.suppress(FileExistsError):
@@ -53,7 +54,7 @@ class RunClaim:
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(run_dir)  # (its LOG_DIR too, which other jobs may be making)
         self.file = open(run_dir / ".claim", "a+")
         try:
             fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)

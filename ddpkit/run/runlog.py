@@ -12,7 +12,9 @@ import math
 import os
 import platform
 import shlex
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from PIL import Image, ImageDraw
 
 from ddpkit.distributed import Runtime, all_reduce
-from ddpkit.files import replace_json, replace_text
+from ddpkit.files import make_folder, replace_json, replace_text
 from ddpkit.launch import Launch
 from ddpkit.run.trackers import NoTracker, Tracker, epoch_scalars
 
@@ -224,20 +226,91 @@ def declare_hparams(log_dir: Path, hparams: HParams) -> None:
         info.domain_discrete.extend(hparams.choices.get(info.name, ()))
     metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name) for tag, name in HPARAM_METRICS.items()]
     try:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(log_dir)  # (the runs of a sweep, on several nodes at once)
         os.close(os.open(log_dir / ".hparams-declared", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        quiet_writer_threads()
+        with tb.SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
+            writer.file_writer.add_summary(hparams_summary(metadata.EXPERIMENT_TAG, experiment=api_pb2.Experiment(
+                hparam_infos=infos, metric_infos=metrics)))
+            writer.flush()  # (raises what failed in its writer thread, which closing would not)
     except FileExistsError:
         return  # another run of this directory (an array task) did it
     except OSError as err:
         # The parent of a --run-dir may be a directory this user cannot write (a project's
-        # shared folder): a run directory that can be written still trains, and without the
-        # declaration TensorBoard infers the tab's columns from the runs it finds.
+        # shared folder), or its event file's writes fail (shared storage): a run directory
+        # that can be written still trains, and without the declaration TensorBoard infers
+        # the tab's columns from the runs it finds.
         print(f"warning: cannot declare the HParams experiment in {log_dir} ({err.strerror}); training goes on, "
               "and TensorBoard's HParams tab infers its columns from the runs", file=sys.stderr, flush=True)
-        return
-    with tb.SummaryWriter(str(log_dir), filename_suffix=".hparams") as writer:
-        writer.file_writer.add_summary(hparams_summary(metadata.EXPERIMENT_TAG, experiment=api_pb2.Experiment(
-            hparam_infos=infos, metric_infos=metrics)))
+
+
+@functools.cache
+def quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises the error that ends it, which threading prints as
+    a traceback; the writer raises it again at its next call (EventFile's, which says it in
+    one line). Keep the thread's traceback off stderr."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    previous = threading.excepthook
+
+    def excepthook(args) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and issubclass(args.exc_type, OSError)):
+            previous(args)
+    threading.excepthook = excepthook
+
+
+class EventFile:
+    """Rank 0's TensorBoard writer in the run directory, which never ends the run. TensorBoard
+    writes each event in a thread of its own, which a failed write (EIO, ESTALE, a full disk:
+    shared storage) ends; the writer raises that error at its next call (torch 2.14,
+    tensorboard 2.21), and would end the run. Here the first one is one warning that names
+    the file and what still holds the run's record, and the writer is left alone from then on."""
+
+    CALLS = frozenset(("add_scalar", "add_text", "add_image", "flush"))  # SummaryWriter's, as RunLogger calls them
+
+    def __init__(self, run_dir: Path, purge_step: int):
+        quiet_writer_threads()
+        self.run_dir, self.writer = run_dir, None
+        try:
+            self.writer = tensorboard_api().SummaryWriter(str(run_dir), purge_step=purge_step)
+        except OSError as err:
+            self.give_up(err)
+
+    def __getattr__(self, name: str):
+        if name not in self.CALLS:
+            raise AttributeError(name)
+        return functools.partial(self.call, name)
+
+    def add_summary(self, summary: object) -> None:
+        self.call("add_summary", summary)
+
+    def call(self, name: str, *args, **kwargs) -> None:
+        if self.writer is None:
+            return
+        try:
+            getattr(self.writer.file_writer if name == "add_summary" else self.writer, name)(*args, **kwargs)
+        except OSError as err:
+            self.writer = None  # (its thread is gone: closing it would write nothing)
+            self.give_up(err)
+
+    def give_up(self, err: OSError) -> None:
+        print(f"warning: cannot write the TensorBoard event file {self.event_file(err)} ({err.strerror}): TensorBoard "
+              f"shows no more of this run; {self.run_dir / 'metrics.jsonl'} and the checkpoints in "
+              f"{self.run_dir / 'checkpoints'} still hold its record, and training goes on", file=sys.stderr, flush=True)
+
+    def event_file(self, err: OSError) -> str:
+        """The file that failed: the error's, else this process's newest event file in the run directory."""
+        if err.filename:
+            return os.fsdecode(err.filename)
+        with contextlib.suppress(OSError):
+            ours = sorted(self.run_dir.glob(f"events.out.tfevents.*.{socket.gethostname()}.{os.getpid()}.*"))
+            if ours:
+                return str(ours[-1])
+        return f"in {self.run_dir}"
+
+    def close(self) -> None:
+        self.flush()  # (raises what failed in its writer thread, which closing would not)
+        if self.writer is not None:
+            self.writer.close()
 
 
 # What a resume reads of each record: its step, and the epoch's seconds and accuracy (the
@@ -317,12 +390,12 @@ class RunLogger:
             self.add_epoch_time(record)
         declare_hparams(run_dir.parent, hparams)
         tb = tensorboard_api()
-        self.writer = tb.SummaryWriter(str(run_dir), purge_step=resumed_step + 1)
+        self.writer = EventFile(run_dir, purge_step=resumed_step + 1)
         start = tb.plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
         for name, value in hparams.values.items():
             kind = "bool_value" if isinstance(value, bool) else "string_value" if isinstance(value, str) else "number_value"
             setattr(start.hparams[name], kind, value)
-        self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_START_INFO_TAG, session_start_info=start))
+        self.writer.add_summary(hparams_summary(tb.metadata.SESSION_START_INFO_TAG, session_start_info=start))
         self.metrics = open(metrics_path, "a")
         self.tracker = tracker
         self.tracker.begin(records)  # (the epochs it lacks among them)
@@ -406,7 +479,7 @@ class RunLogger:
             self.writer.add_scalar(f"final/{name}", value, step)
         self.tracker.finish(final, step)
         tb = tensorboard_api()
-        self.writer.file_writer.add_summary(hparams_summary(tb.metadata.SESSION_END_INFO_TAG, session_end_info=(
+        self.writer.add_summary(hparams_summary(tb.metadata.SESSION_END_INFO_TAG, session_end_info=(
             tb.plugin_data_pb2.SessionEndInfo(status=tb.api_pb2.STATUS_SUCCESS, end_time_secs=time.time()))))
 
     def close(self, code: int = 0) -> None:

@@ -23,6 +23,15 @@
                        nobody, as between two nodes on an NFS mount with nolock or local_lock,
                        or Lustre with localflock (H: only in processes on the host named H;
                        read at start-up: for a fresh interpreter)
+  AID_ESTALE_OPENS=R:N[:P]  on rank R, the first N opens of a file whose name matches the
+                       pattern P (fnmatch; ckpt-*.pt, the run's checkpoints, unless given)
+                       raise OSError(ESTALE), as on NFS while another node's rename of the
+                       file is news to this one; each says so on stderr (builtins.open, which
+                       torch.load opens a path with, wrapped as ddpkit.run.checkpoints is imported)
+  AID_EVENTS_FAIL_AFTER=N  after N writes to TensorBoard event files (events.out.tfevents.*),
+                       each later one raises OSError(EIO), as on shared storage whose server
+                       went away (TensorBoard's gfile, whose LocalFileSystem does each write of
+                       its writer thread, wrapped as it is imported)
   AID_THREADS_AT_EXIT=1  a rank (RANK or SLURM_PROCID set) says on stderr, as its interpreter
                        begins to exit (atexit), which threads it still has, by their names in
                        /proc (read at start-up: for a fresh interpreter)
@@ -32,10 +41,11 @@ ddpkit: sitecustomize.py beside it does so at start-up in every process whose PY
 holds this folder (the tests' runs: forked, torchrun's workers, srun's tasks, Slurm jobs),
 and the tests' forkserver imports it before it imports ddpkit. The module wraps
 TrainingRun's methods as ddpkit.run.training_run is imported, the doctor's time_step as
-ddpkit.run.doctor is, wrap_ddp as ddpkit.distributed is and data_lock as ddpkit.data.staging
-is (or at once, if they already were). The wrappers read the variables when they are
-called, so that a run forked from a process that imported ddpkit before the run's
-environment was known reads its own; unset, they do nothing.
+ddpkit.run.doctor is, wrap_ddp as ddpkit.distributed is, data_lock as ddpkit.data.staging
+is, builtins.open as ddpkit.run.checkpoints is and TensorBoard's LocalFileSystem as its gfile
+is (or at once, if they already were). The
+wrappers read the variables when they are called, so that a run forked from a process that
+imported ddpkit before the run's environment was known reads its own; unset, they do nothing.
 
 It runs in every Python process of a test, the Slurm supervisor's host python3 included:
 standard library alone, nothing newer than Python 3.6, and nothing imported before it is used."""
@@ -47,6 +57,8 @@ import sys
 import time
 
 TRAINING_RUN = "ddpkit.run.training_run"
+CHECKPOINTS = "ddpkit.run.checkpoints"
+GFILE = "tensorboard.compat.tensorflow_stub.io.gfile"
 DOCTOR = "ddpkit.run.doctor"
 DISTRIBUTED = "ddpkit.distributed"
 STAGING = "ddpkit.data.staging"
@@ -188,7 +200,65 @@ def aid_staging(module):
     module.data_lock = data_lock
 
 
-AIDED = {TRAINING_RUN: aid, DOCTOR: aid_doctor, DISTRIBUTED: aid_distributed, STAGING: aid_staging}  # module: what wraps it once it has run
+def this_rank():
+    """The rank of this process: the process group's once it is made, else the launcher's."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def aid_checkpoints(module):
+    """Wrap builtins.open, once, as `module` (ddpkit.run.checkpoints) is imported: with
+    AID_ESTALE_OPENS, the rank's first opens of the files it names raise ESTALE."""
+    import builtins
+    import errno
+    import fnmatch
+
+    plain_open = builtins.open
+    if getattr(plain_open, "aided", False):
+        return
+    raised = []  # (this process's ESTALEs so far; a forked run starts with the forkserver's none)
+
+    def estale_open(file, *args, **kwargs):
+        stale = os.environ.get("AID_ESTALE_OPENS", "").split(":", 2)
+        if len(stale) >= 2 and isinstance(file, (str, os.PathLike)) and len(raised) < int(stale[1]):
+            name = os.path.basename(os.fspath(file))
+            if fnmatch.fnmatch(name, stale[2] if len(stale) > 2 else "ckpt-*.pt") and this_rank() == int(stale[0]):
+                raised.append(name)
+                os.write(2, f"aid: rank {stale[0]} open {len(raised)} of {name}: ESTALE\n".encode())
+                raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), os.fspath(file))
+        return plain_open(file, *args, **kwargs)
+
+    estale_open.aided = True
+    builtins.open = estale_open
+
+
+def aid_gfile(module):
+    """Wrap the write and append of `module`'s LocalFileSystem (TensorBoard's gfile, just
+    imported), once: with AID_EVENTS_FAIL_AFTER=N, the writes to event files past the N-th raise EIO."""
+    local = module.LocalFileSystem
+    if getattr(local, "aided", False):
+        return
+    local.aided = True
+    import errno
+    written = []  # (this process's writes to event files so far)
+
+    def failing(plain):
+        def write(self, filename, *args, **kwargs):
+            after = os.environ.get("AID_EVENTS_FAIL_AFTER", "")
+            if after and os.path.basename(str(filename)).startswith("events.out.tfevents."):
+                written.append(filename)
+                if len(written) > int(after):
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))  # (as a write's error: it names no file)
+            return plain(self, filename, *args, **kwargs)
+        return write
+
+    local.write, local.append = failing(local.write), failing(local.append)
+
+
+AIDED = {TRAINING_RUN: aid, DOCTOR: aid_doctor, DISTRIBUTED: aid_distributed, STAGING: aid_staging,
+         CHECKPOINTS: aid_checkpoints, GFILE: aid_gfile}  # module: what wraps it once it has run
 
 
 class AidOnImport(importlib.abc.MetaPathFinder):

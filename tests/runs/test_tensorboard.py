@@ -3,16 +3,21 @@ runs of short real trainings, and the tests read the runs, tags and points back 
 TensorBoard's own HTTP data API, including a resumed run (no doubled steps). The server
 listens on 127.0.0.1 only unless asked, moves to the next port when its port is taken,
 prints the tunnel command, and stops on Ctrl-C. Images, text and hparams are read from
-the event files with TensorBoard's reader.
+the event files with TensorBoard's reader. On shared storage: an event file whose end first
+reads as zeros (NFS) stops TensorBoard's reading of it until a restart, whatever its loader;
+a run whose event file's writes fail warns once and trains on.
 
     python -m pytest tests/runs/test_tensorboard.py
 """
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -21,7 +26,10 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
+from helpers.images import on_folder, read_metrics
+from helpers.pages import assert_quoted_whole
 from helpers.processes import ROOT, assert_ok, clean_env, free_port, run_single
 
 # Every test here shares the module's four runs (logdir): the whole file is one long run.
@@ -167,3 +175,77 @@ def test_images_text_and_hparams_in_the_event_files(logdir):
     hparams = events.PluginTagToContent("hparams")
     assert "_hparams_/session_start_info" in hparams
     assert b"batch_size" in hparams["_hparams_/session_start_info"]
+
+
+def scalar_records(folder: Path, steps: range) -> tuple[Path, bytes]:
+    """An event file in `folder` that holds the scalar x at `steps`, and its records after the
+    first (the file's version: records are self-contained, so another file's can follow it)."""
+    with SummaryWriter(str(folder)) as writer:
+        for step in steps:
+            writer.add_scalar("x", step, step)
+    path = next(folder.glob("events.out.tfevents.*"))
+    data = path.read_bytes()
+    return path, data[8 + 4 + struct.unpack("<Q", data[:8])[0] + 4:]
+
+
+def wait_for_points(port: int, server: subprocess.Popen, want: int, seconds: float = 60) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert server.poll() is None, f"tensorboard.sh exited: {server.communicate()}"
+        with contextlib.suppress(OSError, ValueError):
+            steps = [p[1] for p in get_json(port, "/data/plugin/scalars/scalars?run=r&tag=x")]
+            if len(steps) >= want or time.monotonic() > deadline:
+                return steps
+        time.sleep(0.5)
+
+
+# TensorBoard's Python loader, with the two flags whose help speaks of files that change.
+LEGACY_LOADER = ["--", "--load_fast=false", "--reload_multifile", "true", "--detect_file_replacement", "true"]
+
+
+def test_an_event_file_whose_end_first_reads_as_zeros_stops_tensorboard_until_it_restarts(tmp_path):
+    """What docs/tensorboard.md says of NFS: pages that arrive after the file's new length
+    (zeros first) stop TensorBoard's reading of the file for good, its fast loader and
+    LEGACY_LOADER alike; a restart reads it whole."""
+    event_file, _ = scalar_records(tmp_path / "logs" / "r", range(3))
+    _, later = scalar_records(tmp_path / "later", range(3, 6))
+    legacy = tmp_path / "legacy"
+    legacy_file = Path(shutil.copytree(tmp_path / "logs", legacy / "logs")) / "r" / event_file.name
+    ports, servers = [free_port(), free_port()], []
+    try:
+        for port, logs, extra in zip(ports, (tmp_path / "logs", legacy / "logs"), ([], LEGACY_LOADER),
+                                     strict=True):
+            servers.append(start(["--logdir", str(logs), "--port", str(port), *extra], cwd=tmp_path))
+        assert [wait_for_points(port, server, 3) for port, server in zip(ports, servers, strict=True)] == [[0, 1, 2]] * 2
+        for path in (event_file, legacy_file):
+            with open(path, "ab") as grown:
+                grown.write(bytes(len(later)))  # the new length, its pages not there yet
+        time.sleep(3)  # (3 reloads: --reload_interval 1)
+        for path in (event_file, legacy_file):
+            with open(path, "r+b") as arrived:
+                arrived.seek(-len(later), os.SEEK_END)
+                arrived.write(later)
+        assert [wait_for_points(port, server, 6, seconds=4) for port, server in zip(ports, servers, strict=True)] == [[0, 1, 2]] * 2
+    finally:
+        outputs = [stop(server) for server in servers]
+    assert "rustboard_core::run] Read error in " in outputs[0][1]
+    assert "Read error" not in outputs[1][0] + outputs[1][1]
+    again = start(["--logdir", str(tmp_path / "logs"), "--port", str(ports[0])], cwd=tmp_path)
+    try:
+        assert wait_for_points(ports[0], again, 6) == list(range(6))
+    finally:
+        stop(again)
+
+
+def test_an_event_file_whose_writes_fail_mid_run_warns_once_and_the_run_goes_on(tiny_folder, workdir):
+    # The event file's writes fail (EIO) from its 12th on, in the first epoch: shared storage lost.
+    result = run_single([*on_folder(tiny_folder), "--epochs", "3", "--batch-size", "8", "--log-every", "1",
+                         "--run-dir", "runs/r"], cwd=workdir, AID_EVENTS_FAIL_AFTER="12")
+    assert_ok(result)
+    assert [m["epoch"] for m in read_metrics(workdir / "runs" / "r")] == [1, 2, 3]
+    event_file = next((workdir / "runs" / "r").glob("events.out.tfevents.*"))
+    warnings = [line for line in result.stderr.splitlines() if "event file" in line or "Traceback" in line]
+    assert warnings == [f"warning: cannot write the TensorBoard event file {event_file.relative_to(workdir)} (Input/output "
+                        "error): TensorBoard shows no more of this run; runs/r/metrics.jsonl and the checkpoints in "
+                        "runs/r/checkpoints still hold its record, and training goes on"], result.stderr
+    assert_quoted_whole("docs/tensorboard.md", warnings[0])

@@ -12,6 +12,7 @@ tests/runs/test_checkpoints_runs.py.
 import dataclasses
 import re
 import shutil
+import threading
 import time
 from types import SimpleNamespace
 
@@ -19,8 +20,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+import ddpkit.files
 from ddpkit.distributed import Runtime
-from ddpkit.launch import UsageError
+from ddpkit.launch import HeldUp, UsageError
 from ddpkit.run.checkpoints import (
     Progress,
     RunState,
@@ -284,6 +286,22 @@ def test_a_checkpoint_from_before_classes_shape_and_finished_were_saved_still_lo
 
 
 # ----------------------------------------------------------------------------- resume_from
+
+def test_a_checkpoint_shorter_than_rank_0_saw_is_waited_for_then_named_with_its_file_system(tmp_path, monkeypatch):
+    """NFS on another node than rank 0's: the file's old length for a while. It resumes once
+    the rest arrives; a file that never grows ends the start with HeldUp (exit 4), in one line."""
+    monkeypatch.setattr(ddpkit.files, "REREAD_SECONDS", 1.0)
+    path = save(tmp_path, 2)
+    whole = path.read_bytes()
+    state = {"model": model_and_optimizer()[0], "optimizer": None, "average": None}
+    path.write_bytes(whole[: len(whole) // 2])
+    threading.Timer(0.3, path.write_bytes, (whole,)).start()
+    assert resume_from(path, state, ONE, global_batch=128, epochs=3, max_steps=0, size=len(whole))[0].step == 2
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(HeldUp, match=rf"^cannot read {re.escape(str(path))} \({len(whole) // 2} of its {len(whole)} bytes\) "
+                                     r"after 1 s of retries: it is on \w+ at /\S*, .* nothing saved is lost$"):
+        resume_from(path, state, ONE, global_batch=128, epochs=3, max_steps=0, size=len(whole))
+
 
 def test_resume_from_loads_each_thing_by_name(tmp_path):
     model, optimizer = model_and_optimizer(lr=0.1, weight_decay=0.01, seed=0)
