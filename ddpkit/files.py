@@ -1,7 +1,10 @@
 """Writes that a crash never leaves half done: each goes to a temporary file beside its
 target, then is renamed over it (atomic on POSIX and NFS), so a reader or a kill meets the
 old file or the new one, never half of one. A failed write removes its temporary file: left
-there, it would keep a full disk full for every later attempt.
+there, it would keep a full disk full for every later attempt. Beside them, what shared
+storage asks of files that several nodes touch: folders that many ranks create at once
+(make_folder), a file another node wrote moments ago (read_written_elsewhere), and which
+mount holds a path, with its options that decide what a lock does (parse_mountinfo).
 
 Standard library only (torch is imported by save_atomic alone): the hang watchdog and the
 tracker's sender use it too."""
@@ -12,6 +15,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
 
@@ -152,12 +156,71 @@ def read_written_elsewhere(path: Path, read: Callable[[Path], T], *, size: int |
 def file_system(path: Path | str) -> tuple[str, str]:
     """(the mount point, the file system's type) that holds `path`, from /proc/self/mountinfo;
     ("?", "an unknown file system") where it cannot be read."""
-    target, best, longest = os.path.realpath(path), ("?", "an unknown file system"), -1
     with contextlib.suppress(OSError):
-        with open("/proc/self/mountinfo") as mounts:
-            for line in mounts:  # (the innermost mount holds the path: the longest point that contains it)
-                fields, _, rest = line.partition(" - ")
-                point = fields.split()[4].encode().decode("unicode_escape")  # (a space in it is \\040)
-                if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > longest:
-                    best, longest = (point, rest.split()[0]), len(point)
+        with open("/proc/self/mountinfo") as fh:
+            mount = mount_of(os.path.realpath(path), parse_mountinfo(fh.read()))
+        if mount:
+            return mount.point, mount.fstype
+    return "?", "an unknown file system"
+
+
+# The options that decide what a lock does across nodes (NFS: nolock, local_lock; Lustre:
+# flock, localflock, noflock) and how soon another node sees a file (NFS's attribute and
+# lookup caches).
+LOCK_OPTIONS = ("nolock", "lock", "flock", "localflock", "noflock", "noac")
+LOCK_OPTION_KEYS = ("local_lock", "actimeo", "lookupcache")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A line of /proc/self/mountinfo: where it is mounted, its type and source, and its
+    options that matter for locks (mount and super options together, in their order)."""
+    point: str
+    fstype: str
+    source: str
+    options: tuple[str, ...] = ()
+
+    def words(self) -> str:
+        """nfs4 srv:/home on /home (local_lock=all)"""
+        return f"{self.fstype} {self.source} on {self.point}" + (f" ({', '.join(self.options)})" if self.options else "")
+
+    def short(self) -> str:
+        """nfs4, local_lock=all"""
+        return ", ".join((self.fstype, *self.options))
+
+
+def unescape(field: str) -> str:
+    r"""A mountinfo field as the path it names (the kernel writes a space as \040, a tab as
+    \011, a newline as \012 and a backslash as \134)."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of /proc/self/mountinfo's text, in its order (a later one over an earlier).
+    A line: ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        dash = fields.index("-", 6)
+        fstype, source, extra = (fields[dash + 1:] + ["", "", ""])[:3]
+        options = []
+        for option in fields[5].split(",") + extra.split(","):
+            if (option in LOCK_OPTIONS or option.split("=")[0] in LOCK_OPTION_KEYS) and option not in options:
+                options.append(option)
+        mounts.append(Mount(unescape(fields[4]), fstype, unescape(source), tuple(options)))
+    return mounts
+
+
+def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
+    """The mount that holds `path` (absolute, resolved): the last one of the longest mount
+    point that contains it."""
+    best = None
+    for mount in mounts:
+        point = mount.point.rstrip("/") + "/"
+        if (path + "/").startswith(point) and (best is None or len(mount.point) >= len(best.point)):
+            best = mount
     return best

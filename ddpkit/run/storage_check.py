@@ -20,75 +20,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddpkit.files import replace_text
+from ddpkit.files import mount_of, parse_mountinfo, replace_text
 
 VISIBLE_WAIT = 30.0  # seconds a node waits for rank 0's file, at most
 POLL = 0.02  # seconds between two looks for it
 PROBE = ".mnist-ddp-check-"  # the probe's name: PROBE + a nonce, removed once every node has looked
-# The options that decide what a lock does across nodes (NFS: nolock, local_lock; Lustre:
-# flock, localflock, noflock) and how soon another node sees a file (NFS's attribute and
-# lookup caches).
-LOCK_OPTIONS = ("nolock", "lock", "flock", "localflock", "noflock", "noac")
-LOCK_OPTION_KEYS = ("local_lock", "actimeo", "lookupcache")
-
-
-# ----------------------------------------------------------------------------- the mounts
-
-@dataclass(frozen=True)
-class Mount:
-    """A line of /proc/self/mountinfo: where it is mounted, its type and source, and its
-    options that matter for locks (mount and super options together, in their order)."""
-    point: str
-    fstype: str
-    source: str
-    options: tuple[str, ...] = ()
-
-    def words(self) -> str:
-        """nfs4 srv:/home on /home (local_lock=all)"""
-        return f"{self.fstype} {self.source} on {self.point}" + (f" ({', '.join(self.options)})" if self.options else "")
-
-    def short(self) -> str:
-        """nfs4, local_lock=all"""
-        return ", ".join((self.fstype, *self.options))
-
-
-def unescape(field: str) -> str:
-    r"""A mountinfo field as the path it names (the kernel writes a space as \040, a tab as
-    \011, a newline as \012 and a backslash as \134)."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """The mounts of /proc/self/mountinfo's text, in its order (a later one over an earlier).
-    A line: ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER_OPTIONS."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split()
-        if "-" not in fields[6:]:
-            continue
-        dash = fields.index("-", 6)
-        fstype, source, extra = (fields[dash + 1:] + ["", "", ""])[:3]
-        options = []
-        for option in fields[5].split(",") + extra.split(","):
-            if (option in LOCK_OPTIONS or option.split("=")[0] in LOCK_OPTION_KEYS) and option not in options:
-                options.append(option)
-        mounts.append(Mount(unescape(fields[4]), fstype, unescape(source), tuple(options)))
-    return mounts
-
-
-def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
-    """The mount that holds `path` (absolute, resolved): the last one of the longest mount
-    point that contains it."""
-    best = None
-    for mount in mounts:
-        point = mount.point.rstrip("/") + "/"
-        if (path + "/").startswith(point) and (best is None or len(mount.point) >= len(best.point)):
-            best = mount
-    return best
-
-
 def existing(folder: Path) -> Path:
     """`folder`, or its nearest parent that exists (a DATA_DIR that the first run makes)."""
     folder = folder.absolute()

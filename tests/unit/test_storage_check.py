@@ -16,8 +16,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddpkit.files import Mount, mount_of, parse_mountinfo
 from ddpkit.run import storage_check
-from ddpkit.run.storage_check import Mount, NodeView, StorageFolder, mount_of, parse_mountinfo, storage_lines
+from ddpkit.run.storage_check import NodeView, StorageFolder, storage_lines
 
 # Lines as the kernel writes them (the NFS ones from nfs_show_mount_options: a v3 mount with
 # nolock also shows local_lock=all).
