@@ -1,6 +1,7 @@
 """--compile's cache in the run's directory: what torch compiled at a run's first start serves
 every later start (a restart, a heal, a requeue, a resubmission, another node), which then
-skips Inductor's code generation and C++ or Triton builds, the larger part of a compile.
+skips Inductor's lowering and code generation and, on a GPU, the Triton builds (torch
+bundles the built kernels into the artifacts); on a CPU it still builds the kernels' C++.
 
 Rank 0 saves torch.compiler.save_cache_artifacts() after its first compiled step (every rank
 compiles the same graph, so its artifacts serve them all), atomically, as
