@@ -7,6 +7,7 @@
     python benchmarks/bench.py --gpu                # one CUDA GPU: defaults, --amp --channels-last, --compile
     python benchmarks/bench.py --ranks              # test accuracy after 2 epochs on 1, 2, 4 and 8 ranks
     python benchmarks/bench.py --step-times         # what the straggler figures cost a step, on 2 ranks
+    python benchmarks/bench.py --compile-cache      # --compile: a later start with the run's compile cache
 
 It runs, one after another on the same machine:
   1. reference: the seeds' loop (torchvision dataset + DataLoader with ToTensor, the
@@ -40,6 +41,13 @@ batch, with each rank's own time a step measured and agreed on (the straggler fi
 without (each rank's timer given no model to watch, in a worker of this file that runs
 mnist_ddp.py's main for both ways), PAIRS times each, alternately, in one run; it writes the
 median training images/s of each and the cost a step to OUT/step-times.{json,md}.
+
+With --compile-cache it starts a --compile run of 2 steps (one process) on an empty local
+cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), then the same run again for 2 more steps
+on another empty one, as a later start on another node or in a new job does: it loads the
+compile cache the first start saved in the run's directory. Each start's time from process
+start to the end of its first step (its first progress line), in 5 runs, and the
+median of each run's ratio go to OUT/compile-cache.{json,md}.
 
 With --gpu it runs mnist_ddp.py on one CUDA GPU instead: the defaults, --amp
 --channels-last, and --compile, each to the end, and reports time to the target,
@@ -280,6 +288,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="mnist_ddp.py on one CUDA GPU: defaults, --amp --channels-last, --compile")
     parser.add_argument("--ranks", action="store_true", help="test accuracy after 2 epochs on 1, 2, 4 and 8 ranks")
     parser.add_argument("--step-times", action="store_true", help="what the straggler figures cost a step, on 2 ranks")
+    parser.add_argument("--compile-cache", action="store_true",
+                        help="--compile: time to the first step of a later start with the run's compile cache, against the first")
     parser.add_argument("--quick", action="store_true", help="a few steps of everything: checks that the benchmark runs")
     parser.add_argument("worker", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--dataset", help=argparse.SUPPRESS)
@@ -320,6 +330,8 @@ def main() -> None:
         return ranks_benchmark(out, [*common, "--epochs", "2", *quick[:2]], dataset, args.quick)
     if args.step_times:
         return step_times_benchmark(out, [*common, "--epochs", "1", *quick[:2]], dataset, args.quick)
+    if args.compile_cache:
+        return compile_cache_benchmark(out, common, dataset, args.quick)
 
     # Stage the data through mnist_ddp.py, so that both loops read the same files.
     subprocess.run([sys.executable, str(SCRIPT), "--dataset", dataset, "--data-dir", str(data_dir), "--download-only"],
@@ -475,6 +487,72 @@ def step_times_benchmark(out: Path, common: list[str], dataset: str, quick: bool
               f"each run's images/s: with {', '.join(f'{v:.0f}' for v in speeds['with'])}; without "
               f"{', '.join(f'{v:.0f}' for v in speeds['without'])}.\n")
     (out / "step-times.md").write_text(text)
+    print(text)
+
+
+# ----------------------------------------------------------------------------- the compile cache
+
+COMPILE_PAIRS = 5  # (each pair: two compiled starts, about 40 s each on 2 cores)
+FIRST_STEP_LINE = re.compile(r"^epoch \d+ step \d+/\d+ \(step \d+ in all\)")  # (a progress line, each step)
+LOADED_LINE = re.compile(r"^compile: loaded the compile cache \S+ \((\d+) artifacts\)", re.M)
+
+
+def time_to_first_step(cmd: list[str], log_path: Path, env: dict) -> float:
+    """Run cmd to its end; the seconds from its start to its first progress line, the end of
+    its first step (--progress-every 0.001 prints one after every step)."""
+    started, first = time.perf_counter(), None
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log.write(line)
+            if first is None and FIRST_STEP_LINE.match(line):
+                first = time.perf_counter() - started
+        if proc.wait() or first is None:
+            raise SystemExit(f"bench.py: {cmd[1]} failed with exit code {proc.returncode} or printed no step; see {log_path}")
+    return first
+
+
+def compile_cache_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> None:
+    """COMPILE_PAIRS runs (one in --quick) of two --compile starts each, every start on an empty local
+    cache: the first compiles and saves the run's compile cache, the later one (the same run,
+    2 more steps) loads it. Their times to the first step, and the median of each run's ratio."""
+    pairs = []
+    for pair in range(1 if quick else COMPILE_PAIRS):
+        run_dir = out / "runs" / f"compile-cache-{pair}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        times, loaded = {}, None
+        for start, steps in (("first", 2), ("later", 4)):
+            caches = out / "compile-caches" / f"{pair}-{start}"
+            shutil.rmtree(caches, ignore_errors=True)
+            env = {**script_env(os.cpu_count() or 1), "TORCHINDUCTOR_CACHE_DIR": str(caches),
+                   "TRITON_CACHE_DIR": str(caches / "triton")}
+            args = [*common, "--compile", "--epochs", "1", "--max-steps", str(steps), "--progress-every", "0.001",
+                    "--allow-changes", "--run-dir", str(run_dir)]
+            log = out / f"compile-cache-{pair}-{start}.log"
+            times[start] = time_to_first_step([sys.executable, str(SCRIPT), *args], log, env)
+            loaded = LOADED_LINE.search(log.read_text())
+            print(f"compile cache, run {pair + 1}: the {start} start's first step after {times[start]:.1f} s", flush=True)
+        if not loaded:
+            raise SystemExit(f"bench.py: the later start did not load the compile cache; see {log}")
+        pairs.append({**{f"{start}_s": seconds for start, seconds in times.items()}, "artifacts": int(loaded.group(1))})
+    first, later = (statistics.median(p[f"{start}_s"] for p in pairs) for start in ("first", "later"))
+    # Each run's own ratio, of two starts a minute apart: this machine's speed drifts, and
+    # other work on it comes and goes, by more than that within the benchmark.
+    ratios = [p["later_s"] / p["first_s"] for p in pairs]
+    results = {"machine": machine(), "dataset": dataset, "quick": quick, "pairs": pairs, "first_s": first,
+               "later_s": later, "ratios": ratios, "ratio": statistics.median(ratios)}
+    (out / "compile-cache.json").write_text(json.dumps(results, indent=2))
+    m = results["machine"]
+    rows = {"first": ("first_s", first), "later (loads the run's compile cache)": ("later_s", later)}
+    text = (f"Data: {dataset}{' (quick run: not representative)' if quick else ''}, --compile, one process of "
+            f"{m['cores']} threads, every start on an empty local cache, {len(pairs)} runs alternately. Machine: "
+            f"{m['cpu']}, {m['cores']} cores, no GPU; torch {m['torch']}.\n\n"
+            "| start | time to the first step (median) | each run |\n|---|---|---|\n"
+            + "".join(f"| {name} | {median:.1f} s | {', '.join(f'{p[start]:.1f}' for p in pairs)} s |\n"
+                      for name, (start, median) in rows.items())
+            + f"\nRatio, later over first, the median of the runs' own: {results['ratio']:.2f} (each run: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}).\n")
+    (out / "compile-cache.md").write_text(text)
     print(text)
 
 

@@ -18,6 +18,7 @@ machine and the date its file came from. mnist_ddp.py's manual (its docstring, w
 manual_figures(). The output files (docs/figures/):
   bench.json, ranks.json   benchmarks/bench.py and bench.py --ranks (copied from bench-out/)
   step-times.json          benchmarks/bench.py --step-times (copied from bench-out/ likewise)
+  compile-cache.json       benchmarks/bench.py --compile-cache (copied from bench-out/ likewise)
   sample.json              `sample`: mnist_ddp.py's defaults on the bundled sample, seeds 0-2
   sweep.json, sweep-summary.txt, tensorboard-sh.txt, and docs/tensorboard-*.png
                            `sweep`: the README's sweep with `sweep.py run`, its summary, and
@@ -234,6 +235,17 @@ def step_times() -> str:
             f"{data_words(t['dataset'])} (`python benchmarks/bench.py --step-times`, {source(t['machine'])})")
 
 
+def compile_cache() -> str:
+    """docs/defaults.md, the options for GPUs: a later --compile start with the run's compile
+    cache on an empty local cache, against the first start."""
+    c = load("compile-cache.json")
+    runs = len(c["pairs"])
+    return (f"a later start on an empty local cache reached its first step in {c['later_s']:.1f} s, the first start in "
+            f"{c['first_s']:.1f} s, from process start (the medians of {runs} runs of both; ratio {c['ratio']:.2f}, the "
+            f"median of the runs' own, {min(c['ratios']):.2f}-{max(c['ratios']):.2f}; one process, "
+            f"{data_words(c['dataset'])}; `python benchmarks/bench.py --compile-cache`, {source(c['machine'])})")
+
+
 def manual_figures() -> str:
     """mnist_ddp.py's docstring (its --help), "What it reaches": each figure with its machine and date."""
     s, accuracies, wall = sample_runs()
@@ -267,7 +279,7 @@ BLOCKS = {"benchmark-summary": benchmark_summary, "benchmark-table": benchmark_t
           "startup-line": startup_line, "sample-accuracy": sample_accuracy, "make-run": make_run_line,
           "sweep-summary": sweep_summary, "sweep-source": sweep_source, "hparams-columns": hparams_columns,
           "tensorboard-output": tensorboard_output, "test-times": test_times, "speed-ratio": speed_ratio,
-          "defaults-accuracy": defaults_accuracy, "step-times": step_times}
+          "defaults-accuracy": defaults_accuracy, "step-times": step_times, "compile-cache": compile_cache}
 
 
 def rewritten(text: str, page: Path) -> str:
@@ -313,10 +325,11 @@ def check() -> int:
 
 def write(bench_out: Path | None) -> int:
     if bench_out:
-        taken = [name for name in ("bench.json", "ranks.json", "step-times.json") if (bench_out / name).exists()]
+        taken = [name for name in ("bench.json", "ranks.json", "step-times.json", "compile-cache.json")
+                 if (bench_out / name).exists()]
         if not taken:
-            raise SystemExit(f"figures.py: {bench_out} holds none of bench.json, ranks.json and step-times.json; run "
-                             "benchmarks/bench.py first")
+            raise SystemExit(f"figures.py: {bench_out} holds none of bench.json, ranks.json, step-times.json and "
+                             "compile-cache.json; run benchmarks/bench.py first")
         for name in taken:  # refused before anything is copied
             run = json.loads((bench_out / name).read_text())
             if run.get("quick") or (name == "bench.json" and not {"reference", "default"} <= run.keys()):

@@ -75,6 +75,7 @@ from ddpkit.run.checkpoints import (
     run_is_done,
     set_aside_checkpoints,
 )
+from ddpkit.run.compile_cache import CompileCache, cache_key, cache_path
 from ddpkit.run.doctor import StepParts, check_job, recipe_step
 from ddpkit.run.recovery import is_lost_peer, lost_peer_message, node_fault, storage_problem
 from ddpkit.run.rundir import RunClaim, agree_on_run_dir, claim_run_dir
@@ -231,7 +232,8 @@ class Job:
         self.describe_run(plan, ckpt_path)
         around = Surroundings(run_dir=self.run_dir, stop=self.stop, logger=self.logger,
                               startup=self.startup if rt.is_main else None,
-                              time_limit=self.watch_time_limit() if rt.is_main else None, hosts=tuple(hosts))
+                              time_limit=self.watch_time_limit() if rt.is_main else None, hosts=tuple(hosts),
+                              compile_cache=self.start_compile_cache(plan) if self.options.compile else None)
         self.run = TrainingRun(plan, rt=rt, options=self.options, state=RunState(state, progress, loss_sums, saved_options),
                                around=around)
         if save_here:
@@ -240,6 +242,15 @@ class Job:
                 set_aside_checkpoints(self.run_dir, progress.step + 1)
         self.stop.begin_training()  # from now on Ctrl-C saves first
         return self.run
+
+    def start_compile_cache(self, plan: RunPlan) -> CompileCache:
+        """(--compile, every rank, before the first step compiles) The run's compile cache for
+        what this start compiles, loaded when an earlier start saved it (compile_cache.py)."""
+        kept = {name: value for name, value in dataclasses.asdict(self.recipe).items()
+                if name not in changeable(type(self.recipe))}
+        key = cache_key(rt=self.rt, batch_size=plan.batch_size, shape=plan.shape, classes=len(plan.classes),
+                        recipe=kept, options=dataclasses.asdict(self.options))
+        return CompileCache.start(cache_path(self.run_dir, key), self.rt)
 
     def claim_run_dir(self) -> None:
         """The run's directory, held by this run (see rundir.py), cleared of unfinished saves."""

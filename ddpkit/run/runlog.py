@@ -90,6 +90,7 @@ def describe_environment(rt: Runtime, launch: Launch, hosts: list[str]) -> dict:
         "slurm_job_id": launch.job_id, "cpu_threads_per_rank": torch.get_num_threads(), "cpus_rank_0": usable_cpus(),
         "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""), "gpus_granted": launch.gpus_granted,
         "attempt": launch.attempt, "slurm_requeues": launch.requeues,
+        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""),  # (--compile's; "": torch's default)
     }
     if rt.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(rt.device)

@@ -4,7 +4,8 @@ evaluation, the epoch's end); TrainingRun holds what each one costs: the run's P
 loss sums, the one-step-late agreement between the ranks, the checkpoint files, the stop's
 reasons (a signal, or the job's time limit near), the epoch's record, the run's log, and
 after the first epoch whether the run fits in the job's time and whether its ranks mostly
-wait for the gradient all-reduce. Every rank makes every call, in the same order: the calls
+wait for the gradient all-reduce; under --compile, after the first step, the run's compile
+cache (compile_cache.py). Every rank makes every call, in the same order: the calls
 that talk to the other ranks are among them.
 
 jobs.Job.start_run makes one from the run's plan (plan_run: its batches and schedule, worked
@@ -29,6 +30,7 @@ from ddpkit.files import save_atomic
 from ddpkit.launch import Diverged, StartupClock, StopSignals, UsageError
 from ddpkit.options import RunOptions, need
 from ddpkit.run.checkpoints import Progress, RunState, run_is_done, save_checkpoint, weights_are_finite
+from ddpkit.run.compile_cache import CompileCache
 from ddpkit.run.profiling import StepProfiler
 from ddpkit.run.recovery import AgreementBuffers, CheckpointClock, Verdict, read_agreement, start_agreement
 from ddpkit.run.runlog import final_figures, gpu_figures, peak_rss_mb
@@ -173,6 +175,7 @@ class Surroundings:
     startup: StartupClock | None = None  # (rank 0) printed as `ready in ...` when the first step is about to run
     time_limit: TimeLimit | None = None  # (rank 0) the job's end: after the first epoch, whether the run fits
     hosts: tuple[str, ...] = ()         # every rank's host, in rank order (the straggler line names them)
+    compile_cache: CompileCache | None = None  # (--compile) the run's compile cache, saved after the first step
 
 
 # ----------------------------------------------------------------------------- the run
@@ -197,6 +200,7 @@ class TrainingRun:
         self.startup = around.startup  # printed as `ready in ...` when the first step is about to run
         self.estimate_due = around.time_limit  # rank 0's watch on the job's end, until it said whether the run fits
         self.epoch_first_step = self.started_at = self.progress.step
+        self.compile_cache = around.compile_cache
         self.stragglers = Stragglers(list(around.hosts)) if rt.is_main and self.timer.hook else None
         self.wait_unjudged = rt.is_main and rt.world_size > 1  # (rank 0, at this start's first evaluation)
         self.profiler = StepProfiler(run_dir=self.run_dir, rt=rt, steps=options.profile, first_step=self.progress.step,
@@ -249,6 +253,8 @@ class TrainingRun:
             os.kill(os.getpid(), self.interrupt_at[1])
         if self.stop.time_limit:  # (rank 0) the stop before the time limit leaves room for two steps
             self.stop.time_limit.stepped(time.perf_counter())
+        if self.compile_cache and progress.step == self.started_at + 1:  # (--compile) what the first step compiled
+            self.compile_cache.compiled()
         # The ranks agree on the previous step while this one runs: a stop lands one step
         # after its signal, on every rank alike, and no step waits for the host.
         window_end = progress.step % self.options.log_every == 0

@@ -15,7 +15,7 @@ import sys
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from ddpkit.job import sweeplines
-from ddpkit.job.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting
+from ddpkit.job.contract import SCONTROL_TIMEOUT, continuing_args, last_line, option_word, run, shell_setting, this_job
 from ddpkit.supervisor.nodes import Step, whole_job
 from ddpkit.supervisor.settings import PROG, SETTINGS, JobError, Settings
 
@@ -236,6 +236,8 @@ def task(argv: List[str]) -> None:
     interface = gloo_interface(os.environ)
     if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
+    for name, folder in compile_caches(os.environ).items():
+        os.environ[name] = os.environ.get(name) or folder  # (yours win)
     if mode == "torchrun":
         # Slurm's --signal reaches every process of the step, the agent too, which would die
         # of SIGUSR1 and, under proctrack/cgroup, take its workers with it. So the agent
@@ -251,6 +253,16 @@ def task(argv: List[str]) -> None:
         args = ["-m", "torch.distributed.run", f"--rdzv-conf=is_host={is_host}"] + args
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable] + args)
+
+
+def compile_caches(env: Mapping[str, str]) -> Dict[str, str]:
+    """--compile's caches, Inductor's and Triton's, on this node's own scratch ($TMPDIR, else
+    /tmp), in one folder per job: torch's defaults are shared by every job of the user, and
+    Triton's is in the home directory, often on NFS, where torch's caches meet stale file
+    handles and hangs. The run's own compile cache (RUN_DIR/compile-cache-*.bin) fills them
+    at each start. torch makes the folders when it first writes there."""
+    job = os.path.join(env.get("TMPDIR") or "/tmp", "mnist-ddp-" + this_job(env))
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(job, "inductor"), "TRITON_CACHE_DIR": os.path.join(job, "triton")}
 
 
 def flight_recorder(run_dir: str) -> Dict[str, str]:

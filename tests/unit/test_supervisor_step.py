@@ -1,6 +1,6 @@
 """The supervisor's step (ddpkit/supervisor/step.py) without Slurm: the srun and torchrun step
 commands, the ranks' command line, the sbatch line that continues the run and its
-submission by CHAIN, and the rendezvous address of a job of several nodes (with stand-ins
+submission by CHAIN, --compile's caches on node-local scratch, and the rendezvous address of a job of several nodes (with stand-ins
 for scontrol and ip), never a loopback one.
 
     python -m pytest tests/unit/test_supervisor_step.py
@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from ddpkit.job.contract import job_fields
-from ddpkit.supervisor.step import chained_submission, master_address, resubmit_line, step_command, training_args
+from ddpkit.supervisor.step import (
+    chained_submission,
+    compile_caches,
+    master_address,
+    resubmit_line,
+    step_command,
+    training_args,
+)
 from helpers.supervisor import JOB, LINE, settings
 
 
@@ -161,3 +168,12 @@ def test_the_rendezvous_address_of_a_job_of_several_nodes_is_never_a_loopback_on
     address = master_address({"SLURM_JOB_NODELIST": "node[1-2]"})
     assert address == expected and not address.startswith("127.")
     assert master_address({"SLURM_JOB_NODELIST": "node[1-2]", "MASTER_ADDR": "10.9.9.9"}) == "10.9.9.9"  # (the user's)
+
+
+def test_compile_caches_are_on_node_local_scratch_in_a_folder_of_the_job():
+    """Each task puts torch's compile caches on its node's $TMPDIR (else /tmp), one folder per
+    job (an array task's its own), unless they were given (step.task keeps yours)."""
+    assert compile_caches({"SLURM_JOB_ID": "77", "TMPDIR": "/scratch/77"}) == {
+        "TORCHINDUCTOR_CACHE_DIR": "/scratch/77/mnist-ddp-77/inductor", "TRITON_CACHE_DIR": "/scratch/77/mnist-ddp-77/triton"}
+    assert compile_caches({"SLURM_JOB_ID": "80", "SLURM_ARRAY_JOB_ID": "78", "SLURM_ARRAY_TASK_ID": "2", "TMPDIR": ""}) == {
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/mnist-ddp-78_2/inductor", "TRITON_CACHE_DIR": "/tmp/mnist-ddp-78_2/triton"}

@@ -31,8 +31,10 @@ SHELL_SCRIPTS = [LOCAL_SLURM, SBATCH_FILE, ROOT / "torchrun_commands.sh", ROOT /
 
 
 def test_two_tasks_on_one_node(one_node, tmp_path):
-    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"], ["--batch-size", "64"])
+    client = one_node.sbatch(tmp_path, ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"], ["--batch-size", "64"],
+                             TMPDIR=str(tmp_path))
     job_id, out = finish(client, tmp_path)
+    assert f'"inductor_cache_dir": "{tmp_path}/mnist-ddp-{job_id}/inductor"' in out  # (--compile's, on the node's $TMPDIR)
     start = re.search(r"^START .* tasks=2 launcher=srun master=127\.0\.0\.1:(\d+) threads=1 run=(\S+)$", out, re.M)
     assert start and int(start.group(1)) == 10000 + int(job_id) % 20000
     assert start.group(2) == f"{tmp_path}/runs/job-{job_id}"

@@ -66,9 +66,10 @@ def test_usr1_saves_requeues_and_resumes(cluster, launcher, request, tmp_path):
 
 def test_torchrun_mode_across_two_nodes(two_nodes, tmp_path):
     client = two_nodes.sbatch(tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G"],
-                              ["--epochs", "1", "--max-steps", "10"], LAUNCHER="torchrun")
+                              ["--epochs", "1", "--max-steps", "10"], LAUNCHER="torchrun", TMPDIR=None)
     job_id, out = finish(client, tmp_path)
     assert "launcher=torchrun" in out and '"launcher": "torchrun"' in out
+    assert f'"inductor_cache_dir": "/tmp/mnist-ddp-{job_id}/inductor"' in out  # (--compile's: /tmp without $TMPDIR)
     assert "master=10.231.9.11:" in out
     assert '"hosts": ["mtn1", "mtn2"]' in out
     assert read_metrics(tmp_path / "runs" / f"job-{job_id}")[0]["test_images"] == 1000
