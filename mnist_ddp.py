@@ -12,9 +12,10 @@ What it does
   * works out rank, local rank and world size from torchrun's variables, else from
     Slurm's (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, the node list), else runs as
     one process; NCCL on GPUs, Gloo on CPUs;
-  * lets the first rank of each node stage the data set behind a barrier and a file
-    lock (shared NFS data directories are safe), then trains from the whole split held
-    in memory as one uint8 tensor, or streams it with a DataLoader when it does not fit;
+  * lets the first rank of each node stage the data set behind a barrier and a lock
+    that holds across nodes (NFS with any mount options, Lustre, GPFS), then trains
+    from the whole split held in memory as one uint8 tensor, or streams it with a
+    DataLoader when it does not fit;
   * trains on your own images with no code change: --dataset folder --data-dir DIR reads
     DIR/train/<class>/*.png|jpg and DIR/test/<class>/* (one size, 1 or 3 channels);
   * evaluates exactly (every test image counted once, for any world size) and logs to

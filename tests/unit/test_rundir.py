@@ -1,12 +1,14 @@
 """ddpkit/run/rundir.py: the run's directory as rank 0 chooses it (--run-dir, LOG_DIR/RUN_NAME,
 the Slurm job's, or a new one named by the time, which two runs started in the same second
 never share), and RunClaim, the hold on it: a second claim from another process (a real
-forked process holding the lock) is refused with a line that names the holder, release
-writes exit-code, and a new claim removes the exit-code an earlier attempt left.
+forked process holding the lock and the lease) is refused with a line that names the holder,
+release writes exit-code and removes the lease, and a new claim removes the exit-code an
+earlier attempt left. (The lease's rules: tests/unit/test_files.py.)
 
     python -m pytest tests/unit/test_rundir.py
 """
 
+import json
 import multiprocessing
 import os
 import re
@@ -87,12 +89,14 @@ def test_a_second_claim_from_another_process_names_the_holder(tmp_path):
 def test_a_claim_writes_its_holder_and_release_writes_the_exit_code(tmp_path):
     run_dir = tmp_path / "exp"
     claim = RunClaim(run_dir)  # makes the directory
-    assert re.fullmatch(rf"pid {os.getpid()} on {re.escape(socket.gethostname())} since [\d: -]+\n",
-                        (run_dir / ".claim").read_text())
+    [record] = (run_dir / ".claim.lease").glob("holder-*")
+    holder = json.loads(record.read_text())
+    assert (holder["pid"], holder["host"], holder["rank"]) == (os.getpid(), socket.gethostname(), 0)
     assert not (run_dir / "exit-code").exists()
     claim.release(4)
     assert (run_dir / "exit-code").read_text() == "4\n"
     assert claim.file.closed
+    assert sorted(path.name for path in run_dir.iterdir()) == [".claim", "exit-code"]  # the lease is gone
 
 
 def test_a_claim_removes_a_stale_exit_code(tmp_path):
