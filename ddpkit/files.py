@@ -157,9 +157,8 @@ class Lease:
     While it holds the lease, a thread of the holder rewrites its record every `beat` seconds
     (the beat counted), opening it by its path: if the record is gone, the lease was taken
     from this holder, judged gone while it lived (stopped, or its storage away), and
-    `on_lost` is called (in that thread) so that two holders never both go on. On NFS the
-    holder may meet its record gone only once its client revalidates the folder (its
-    attribute cache, up to a minute): `on_lost` stops what must not go on twice.
+    `on_lost` is called (in that thread) so that two holders never both go on. (On NFS, a
+    client that still has the moved folder cached meets the record removed: ESTALE.)
 
     A waiter judges the holder by its record, read anew at each look:
     - on this host (socket.gethostname()), it lives while its pid does with the same start
@@ -347,14 +346,14 @@ class Lease:
             record["beat"] += 1
             try:
                 fd = os.open(self.record_path, os.O_WRONLY)  # (no O_CREAT: a record taken away stays away)
-            except FileNotFoundError:
+            except OSError as err:
+                if err.errno not in (errno.ENOENT, errno.ESTALE):
+                    continue  # (a file server that is away: the waiters judge by the beats they see)
                 if not self.released.is_set():
                     self.held = False  # (its release must leave the new holder's lease alone)
                     if self.on_lost:
                         self.on_lost()
                 return
-            except OSError:  # (a file server that is away: the waiters judge by the beats they see)
-                continue
             try:
                 write_record(fd, record)
             except OSError:
