@@ -6,13 +6,24 @@ storage asks of files that several nodes touch: folders that many ranks create a
 (make_folder), a file another node wrote moments ago (read_written_elsewhere), and which
 mount holds a path, with its options that decide what a lock does (parse_mountinfo).
 
+Leases (Lease): a hold on a run's directory or a data folder that excludes across the nodes
+of every shared file system, where fcntl's locks may not.
+
 Standard library only (torch is imported by save_atomic alone): the hang watchdog and the
 tracker's sender use it too."""
 
 import contextlib
+import dataclasses
 import errno
+import glob
 import json
 import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -224,3 +235,302 @@ def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
         if (path + "/").startswith(point) and (best is None or len(mount.point) >= len(best.point)):
             best = mount
     return best
+
+
+# ----------------------------------------------------------------------------- leases
+
+LEASE_BEAT = 2.0  # seconds between a lease holder's signs of life (its record rewritten, its beat counted)
+RECORD_PREFIX = "holder-"  # a lease's record: holder-<token>, the holder's own random token
+ASIDE = (".new-", ".stale-", ".released-")  # LEASE.new-T: being placed; .stale-T: taken over; .released-T: let go
+SLURM_LIVE = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
+                        "STAGE_OUT"})  # the job states whose processes may still run (squeue %T)
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # fcntl's locks where a file system has none (a lease holds there)
+SLURM_RECHECK = 30.0  # seconds a waiter trusts what squeue said of a holder's job
+
+
+@dataclasses.dataclass
+class LeaseHolder:
+    """A lease's holder as a waiter judges it: what its record says, whether it showed itself
+    alive, or why it is gone (then the lease is taken over from it)."""
+    names: tuple[str, ...]  # the records in the lease (one, in practice; none: not written yet)
+    raw: bytes  # the record as read
+    record: dict | None  # the record, or None where it is not (yet) whole JSON
+    alive: bool = False  # shown alive: its pid lives (this host), its Slurm job runs, or its record changed lately
+    gone: str = ""  # why it is gone, once judged so
+
+    def __str__(self) -> str:
+        return holder_text(self.record)
+
+
+def holder_text(record: dict | None) -> str:
+    """Who holds a lease, from its record: 'pid P on HOST since T' (', Slurm job J')."""
+    try:
+        text = f"pid {int(record['pid'])} on {record['host']} since {record['since']}"
+    except (TypeError, KeyError, ValueError):
+        return "a process that has not said who it is"
+    return f"{text}, Slurm job {record['job']}" if record.get("job") else text
+
+
+def process_start(pid: int) -> str | None:
+    """When the process `pid` of this host started (field 22 of /proc/PID/stat, in clock ticks
+    since boot: a pid reused by a later process has another), or None where it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # (the name in parentheses may hold spaces)
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def slurm_job_state(job: str) -> str | None:
+    """The state Slurm gives `job` ('' once Slurm no longer knows it), or None where squeue cannot tell."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return "" if "invalid job id" in done.stderr.lower() else None
+    states = done.stdout.split()
+    return states[0] if states else ""
+
+
+def remove_folder(path: Path) -> None:
+    """Remove a lease's folder set aside, as far as it goes (best-effort: it blocks nothing)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Lease:
+    """A hold on something shared that works on every file system that many nodes mount: a
+    folder PATH that holds one record, PATH/holder-<token>, of who holds it (JSON: host, pid and
+    the pid's start time, Slurm job and cluster, rank, since when, a beat counter). It is
+    placed by renaming a folder made beside it, with the record already in it, onto PATH:
+    a rename onto a folder that is there and not empty fails, and a rename is atomic on the
+    server of NFSv3 and v4 (whatever the lock options: nolock, local_lock), Lustre (flock or
+    localflock) and GPFS, where fcntl's locks may exclude only the processes of one node. PATH
+    is never empty where it stands, so no rename can replace a held lease.
+
+    While it holds the lease, a thread of the holder rewrites its record every `beat` seconds
+    (the beat counted), opening it by its path: if the record is gone, the lease was taken
+    from this holder, judged gone while it lived (stopped, or its storage away), and
+    `on_lost` is called (in that thread) so that two holders never both go on. (On NFS, a
+    client that still has the moved folder cached meets the record removed: ESTALE.)
+
+    A waiter judges the holder by its record, read anew at each look:
+    - on this host (socket.gethostname()), it lives while its pid does with the same start
+      time (a pid reused is caught); else it is gone at once;
+    - with `own_job_takes_over`, a holder of this process's own Slurm job (and cluster) on
+      another host is gone at once (a requeued or restarted job, which runs one step at a time);
+    - a holder in a Slurm job of this cluster lives while squeue shows its job in a state
+      whose processes may run (SLURM_LIVE), and is gone at once when squeue shows another
+      state or no longer knows it; where squeue is missing or fails, its beats decide:
+    - it lives while its record changes; with `stale_after`, it is gone once its record has
+      not changed for `stale_after` seconds, timed on this process's own clock (the clocks of
+      nodes differ). A record that never appears is judged the same way. Without
+      `stale_after`, silence never makes it gone: the caller decides how long to wait
+      (silent_for).
+
+    A holder judged gone is taken over without ever letting two in: the lease is renamed
+    aside to PATH.stale-<token> (of two takers, one rename succeeds), and is removed only if it
+    still holds the very record judged gone; else (taken over by a third between the look and
+    the rename) it is renamed back, and where that fails its holder meets its record gone at
+    its next beat. Release renames the lease aside the same way before removing it."""
+
+    def __init__(self, path: Path, *, stale_after: float | None, own_job_takes_over: bool = False,
+                 on_lost: Callable[[], object] | None = None, rank: int | None = None, beat: float = LEASE_BEAT):
+        self.path, self.stale_after, self.own_job_takes_over = Path(path), stale_after, own_job_takes_over
+        self.on_lost, self.beat = on_lost, beat
+        self.token = secrets.token_hex(8)
+        self.host, self.job = socket.gethostname(), os.environ.get("SLURM_JOB_ID") or None
+        self.cluster = os.environ.get("SLURM_CLUSTER_NAME") or None
+        self.record = {"host": self.host, "pid": os.getpid(), "start": process_start(os.getpid()), "job": self.job,
+                       "cluster": self.cluster, "rank": rank, "since": "", "beat": 0}
+        self.held = False
+        self.released = threading.Event()
+        self.beats: threading.Thread | None = None
+        self.seen: tuple | None = None  # what the last look found (records and bytes), to time its changes
+        self.last_change = 0.0  # when it last changed, on this process's monotonic clock
+        self.changed = False  # whether the holder's record changed while this process watched it
+        self.jobs: dict[str, tuple[float, str | None]] = {}  # job -> (when asked, what squeue said)
+
+    @property
+    def record_path(self) -> Path:
+        return self.path / f"{RECORD_PREFIX}{self.token}"
+
+    def attempt(self) -> LeaseHolder | None:
+        """Take the lease if it is free, or over from a holder judged gone (said in one line);
+        None once this process holds it, else its holder as judged now. Call it again to go on
+        watching the holder's signs of life."""
+        holder = None
+        for tries in range(10):  # (each race lost to another starter or taker looks again)
+            if (tries or not self.path.exists()) and self.place():  # (a waiter mostly only looks)
+                self.held = True
+                self.beats = threading.Thread(target=self.beat_while_held, daemon=True, name="lease-beat")
+                self.beats.start()
+                self.tidy()
+                return None
+            holder = self.look()
+            if holder is None:
+                continue  # let go meanwhile
+            if not holder.gone:
+                return holder
+            if self.take_over(holder):
+                print(f"took over {self.path} from {holder}: {holder.gone}", file=sys.stderr, flush=True)
+        return holder or LeaseHolder((), b"", None)
+
+    def place(self) -> bool:
+        """Put this process's lease in place: its record written in a folder beside PATH, which
+        is renamed onto PATH. False where PATH is held (or a cleanup removed the folder)."""
+        fresh = self.path.with_name(f"{self.path.name}{ASIDE[0]}{self.token}")
+        fresh.mkdir()  # (a folder that cannot be written to fails here, for the caller to say)
+        self.record["since"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            fd = os.open(fresh / self.record_path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                write_record(fd, self.record)
+            finally:
+                os.close(fd)
+            os.rename(fresh, self.path)
+            return True
+        except OSError as err:
+            remove_folder(fresh)
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+                raise
+            # (ENOENT: another holder's tidy removed the folder; or, on NFS, a rename whose answer
+            # was lost and that was sent again: it did happen, and the record is in place)
+            return self.record_path.exists()
+
+    def look(self) -> LeaseHolder | None:
+        """The lease's holder, judged now (None where nobody holds it)."""
+        try:
+            names = tuple(sorted(name for name in os.listdir(self.path) if name.startswith(RECORD_PREFIX)))
+            raw = (self.path / names[0]).read_bytes() if names else b""  # (opened anew: on NFS, what the server holds)
+        except FileNotFoundError:
+            names, raw = None, b""  # (let go, or moved aside, meanwhile)
+        except OSError:  # (a file server that answers ESTALE or EIO this once: nothing new seen)
+            if self.seen is None:
+                raise
+            names, raw = self.seen
+        now = time.monotonic()
+        if self.seen is None or self.seen[0] != names:  # another holder, or none
+            self.last_change, self.changed = now, False
+        elif self.seen[1] != raw:
+            self.last_change, self.changed = now, True
+        self.seen = (names, raw)
+        if names is None:
+            return None
+        try:
+            record = json.loads(raw)
+            record = record if isinstance(record, dict) else None
+        except ValueError:
+            record = None
+        holder = LeaseHolder(names, raw, record)
+        holder.alive, holder.gone = self.judge(record, now)
+        return holder
+
+    def judge(self, record: dict | None, now: float) -> tuple[bool, str]:
+        """(shown alive, why gone) of a holder with `record`, as the class docstring says."""
+        if record:
+            pid, host, job = record.get("pid"), record.get("host"), record.get("job")
+            if host == self.host and isinstance(pid, int):
+                if process_start(pid) == record.get("start"):
+                    return True, ""
+                return False, "its process has ended"
+            same_cluster = record.get("cluster") == self.cluster
+            if job and self.own_job_takes_over and job == self.job and same_cluster:
+                return False, f"it was an earlier start of this Slurm job ({job})"
+            state = self.job_state(job) if job and same_cluster else None
+            if state:
+                return (True, "") if state in SLURM_LIVE else (False, f"its Slurm job {job} is {state}")
+            if state == "":
+                return False, f"Slurm no longer knows its job {job}"
+        silent = now - self.last_change
+        if self.stale_after is not None and silent >= self.stale_after:
+            what = "showed no sign of life" if record else "never said who it is"
+            return False, f"it {what} for {silent:.0f} s (the bound is {self.stale_after:g} s)"
+        return self.changed and (self.stale_after is None or silent < self.stale_after), ""
+
+    def job_state(self, job: str) -> str | None:
+        """squeue's state of `job`, asked at most every SLURM_RECHECK seconds."""
+        asked, state = self.jobs.get(job, (-SLURM_RECHECK, None))
+        if time.monotonic() - asked >= SLURM_RECHECK:
+            asked, state = time.monotonic(), slurm_job_state(job)
+            self.jobs[job] = (asked, state)
+        return state
+
+    def silent_for(self) -> float:
+        """Seconds since the lease's record last changed (or its holder did), as this process saw it."""
+        return time.monotonic() - self.last_change
+
+    def take_over(self, holder: LeaseHolder) -> bool:
+        """Remove the lease of `holder`, judged gone: True once it is gone, False where another
+        process took it first (the lease is then left, or put back, as it is)."""
+        return self.set_aside(ASIDE[1], holder.names)
+
+    def set_aside(self, suffix: str, names: tuple[str, ...]) -> bool:
+        """Rename the lease to PATH<suffix><token> and remove it there if it holds the records
+        `names`; else rename it back (someone else's), as far as that goes."""
+        aside = self.path.with_name(f"{self.path.name}{suffix}{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except OSError:  # (moved by another process first)
+            return False
+        try:
+            found = tuple(sorted(name for name in os.listdir(aside) if name.startswith(RECORD_PREFIX)))
+        except OSError:
+            found = None
+        if found == names:
+            remove_folder(aside)
+            return True
+        with contextlib.suppress(OSError):  # (a new lease in its place: its holder's next beat finds it gone)
+            os.rename(aside, self.path)
+        return False
+
+    def tidy(self) -> None:
+        """Remove what other processes' leases left beside this one (killed while placing,
+        taking over or letting go), best-effort."""
+        for suffix in ASIDE:
+            for leftover in self.path.parent.glob(f"{glob.escape(self.path.name)}{suffix}*"):
+                if not leftover.name.endswith(self.token):
+                    remove_folder(leftover)
+
+    def beat_while_held(self) -> None:
+        """The holder's sign of life: its record rewritten every `beat` seconds, its beat counted,
+        until release; on_lost once the record is gone."""
+        record = dict(self.record)
+        while not self.released.wait(self.beat):
+            record["beat"] += 1
+            try:
+                fd = os.open(self.record_path, os.O_WRONLY)  # (no O_CREAT: a record taken away stays away)
+            except OSError as err:
+                if err.errno not in (errno.ENOENT, errno.ESTALE):
+                    continue  # (a file server that is away: the waiters judge by the beats they see)
+                if not self.released.is_set():
+                    self.held = False  # (its release must leave the new holder's lease alone)
+                    if self.on_lost:
+                        self.on_lost()
+                return
+            try:
+                write_record(fd, record)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def release(self) -> None:
+        """Let the lease go: stop the beats, and remove it (renamed aside first, so that it
+        never stands empty) if it still holds this process's record."""
+        self.released.set()
+        if self.beats is not None and self.beats is not threading.current_thread():
+            self.beats.join()
+        if self.held and self.record_path.exists():
+            self.set_aside(ASIDE[2], (self.record_path.name,))
+        self.held = False
+
+
+def write_record(fd: int, record: dict) -> None:
+    """Write a lease's record over its file's, in one write from its start, cut to its length.
+    Closing the file pushes it to the file server (NFS's close-to-open): a waiter on another
+    node opens it anew."""
+    data = (json.dumps(record) + "\n").encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))

@@ -1,6 +1,6 @@
 """Data staging: getting a data set's files into the data directory (downloaded, or copied
 from a file:// mirror), and into a node-local directory, once per node and once per shared
-directory, behind a file lock that also holds across NFS clients.
+directory, behind a lock that holds across the nodes of any shared file system (data_lock).
 
 The MNIST-like data sets are staged here in torchvision's layout (DATA_DIR/<Name>/raw), and
 torchvision is imported only to fetch them: a run on staged data never loads it (seconds of
@@ -18,7 +18,6 @@ import socket
 import stat as stat_lib
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -28,15 +27,16 @@ from pathlib import Path
 
 from ddpkit import hangs
 from ddpkit.distributed import Runtime, all_ranks_agree
-from ddpkit.files import make_folder
+from ddpkit.files import LEASE_BEAT, NO_LOCKS, Lease, make_folder
 from ddpkit.launch import PROG, HeldUp, UsageError
 from ddpkit.options import RunOptions
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (imagesets.py)
-LOCK_FILE = ".mnist_ddp.lock"  # a data directory's lock, which names its holder (data_lock)
+LOCK_FILE = ".mnist_ddp.lock"  # a data directory's lock, on one node (data_lock)
+LOCK_LEASE = LOCK_FILE + ".lease"  # its lease, on every node, which names its holder (data_lock)
 LOCK_NOTICE = 5.0  # seconds of waiting for the lock after which a line says who holds it
-BEAT = 2.0  # seconds between the signs of life of the lock's holder (data_lock)
+BEAT = LEASE_BEAT  # seconds between the signs of life of the lock's holder (data_lock)
 
 
 DIGITS = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight",
@@ -75,94 +75,70 @@ MNIST_LIKE = {"mnist-sample": MNIST_SAMPLE, "mnist": MNISTLike("MNIST", DIGITS, 
 
 @contextlib.contextmanager
 def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: Runtime | None = None):
-    """Hold DATA_DIR/.mnist_ddp.lock: concurrent jobs, and nodes sharing an NFS data
-    directory, take turns at writing into it. POSIX locks also work across NFS clients.
-    A directory that cannot be written is refused in one line (`lacking` says what for).
-    The holder writes who it is into the file (host, pid, rank, since when), and while it
-    holds it a thread of its own rewrites that record every BEAT seconds (a beat counter):
-    a holder that works, however long (a download, measuring a whole training set), shows
-    that it is alive. A waiter names the holder after LOCK_NOTICE seconds and waits while
-    the beats go on; --dist-timeout (`rt`'s; outside a run, its default) after the last beat
-    it saw, it ends with HeldUp (exit 4), naming the holder again: a holder that stopped,
-    hung in a C call or is gone (a rank of this job, on another node) beats no more."""
+    """Hold DATA_DIR/.mnist_ddp.lock: concurrent jobs, and nodes sharing a data directory,
+    take turns at writing into it. Two holds, both needed: an fcntl lock on that file (on
+    one node; across nodes only where the file system's locks reach, which NFS mounted
+    nolock or local_lock and Lustre mounted localflock do not), and a lease beside it,
+    DATA_DIR/.mnist_ddp.lock.lease (ddpkit.files.Lease), which excludes on every shared file
+    system. A directory that cannot be written is refused in one line (`lacking` says what for).
+
+    The lease names its holder (host, pid, rank, Slurm job, since when), and while it holds
+    it a thread of its own rewrites that record every BEAT seconds (a beat counter): a holder
+    that works, however long (a download, measuring a whole training set), shows that it is
+    alive. A waiter names the holder after LOCK_NOTICE seconds and waits while the beats go on;
+    --dist-timeout (`rt`'s; outside a run, its default) after the last beat it saw, it ends
+    with HeldUp (exit 4), naming the holder again: a holder that stopped, hung in a C call or
+    is gone (a rank of this job, on another node) beats no more. A holder known to be gone
+    (its process ended, on this host; its Slurm job no longer running) is taken over at once.
+    (A holder that finds its lease taken from it says so and finishes: what two stagers
+    write are the same checked files, each renamed into place whole.)"""
     path = data_dir / LOCK_FILE
-    try:
-        make_folder(data_dir)  # (each node's first rank, and other jobs, at once)
-        lock_file = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b", buffering=0)  # (no truncation: a holder's record)
-    except OSError as err:
-        raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}){lacking}; pass a writable {flag}, or "
-                         "stage the data into it elsewhere first") from None
-    with lock_file:
-        wait_for_lock(lock_file, path, rt)
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rt.rank if rt else None,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S"), "beat": 0}
-        released = threading.Event()
-        beats = threading.Thread(target=beat_while_held, args=(lock_file.fileno(), record, released), daemon=True,
-                                 name="data-lock-beat")
+    lease = Lease(data_dir / LOCK_LEASE, stale_after=None, rank=rt.rank if rt else None, beat=BEAT,
+                  on_lost=lambda: print(f"warning: another process took over {data_dir / LOCK_LEASE}, judging this one "
+                                        "gone; this one finishes what it stages", file=sys.stderr, flush=True))
+    with contextlib.ExitStack() as held:
         try:
-            write_lock_record(lock_file.fileno(), record)
-            beats.start()
+            make_folder(data_dir)  # (each node's first rank, and other jobs, at once)
+            lock_file = held.enter_context(open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b", buffering=0))
+            wait_for_lock(lock_file, lease, path, rt)
+        except OSError as err:
+            raise UsageError(f"cannot write to {flag} {data_dir} ({err.strerror}){lacking}; pass a writable {flag}, "
+                             "or stage the data into it elsewhere first") from None
+        try:
             yield
         finally:
-            released.set()
-            if beats.is_alive():
-                beats.join()
-            with contextlib.suppress(OSError):
-                os.ftruncate(lock_file.fileno(), 0)  # (the next holder names itself)
+            lease.release()
 
 
-def write_lock_record(fd: int, record: dict) -> None:
-    """Write the holder's record over the lock file's, in one write from its start (a reader
-    never finds it empty), and push it to the file server (on NFS, a waiter on another node
-    reads it only then)."""
-    data = (json.dumps(record) + "\n").encode()
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))  # (a longer record of a killed holder may be left past it)
-    os.fsync(fd)
-
-
-def beat_while_held(fd: int, record: dict, released: threading.Event) -> None:
-    """The holder's sign of life: its record rewritten every BEAT seconds, its beat counted,
-    until the lock is released. (A process stopped, or stuck in a C call that holds the
-    interpreter's lock, beats no more.)"""
-    beat = dict(record)
-    while not released.wait(BEAT):
-        beat["beat"] += 1
-        with contextlib.suppress(OSError):  # (a file server that is away: the waiters judge by the beats they see)
-            write_lock_record(fd, beat)
-
-
-def wait_for_lock(lock_file, path: Path, rt: Runtime | None) -> None:
-    """Take the lock of `lock_file` (at `path`), waiting for its holder while it beats, and at
-    most --dist-timeout after the last change of its record that this process saw. Beats
-    are timed on this process's own clock when it sees them, so clocks that differ between
-    nodes do not matter. The wait is labelled for the hang watch, so that a rank of this job
-    that holds the lock and stopped is named as the one the others wait for."""
+def wait_for_lock(lock_file, lease: Lease, path: Path, rt: Runtime | None) -> None:
+    """Take the lock of `lock_file` (at `path`) and the lease, waiting for their holder while
+    it beats, and at most --dist-timeout after the last change of its record that this
+    process saw. Beats are timed on this process's own clock when it sees them, so clocks
+    that differ between nodes do not matter. The wait is labelled for the hang watch, so that
+    a rank of this job that holds the lock and stopped is named as the one the others wait for."""
     limit = rt.timeout if rt else Runtime.timeout
     started, said, before = time.monotonic(), False, None
-    seen, last_sign = None, started
     try:
         while True:
             try:
                 fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                locked = True
             except OSError as err:
-                if err.errno not in (errno.EACCES, errno.EAGAIN):
+                if err.errno not in (errno.EACCES, errno.EAGAIN, *NO_LOCKS):
                     raise
-            now = time.monotonic()
-            with contextlib.suppress(OSError):
-                record = path.read_bytes()  # (opened anew: on NFS, what the server holds)
-                if record != seen:
-                    seen, last_sign = record, now
-            holder = lock_holder(seen or b"")
+                locked = err.errno in NO_LOCKS  # (a file system without locks: the lease alone)
+            seen = lease.attempt() if locked else lease.look()  # (the lock's holder names itself in the lease)
+            if locked and seen is None:
+                return
+            holder = lock_holder(seen.raw if seen else b"")
             if before is None:
                 before = hangs.doing(f"the lock {path}, held by {holder}")
-            if now - last_sign >= limit:
+            if lease.silent_for() >= limit:
                 raise HeldUp(f"waited for the lock {path}, held by {holder}, which showed no sign of life for {limit:g} s "
                              "(--dist-timeout): that process stopped or hangs. Nothing saved is lost: run_training.sbatch "
                              "starts the job again by itself (a rank of its own that holds the lock ends with it); elsewhere "
                              "end that process or wait for it, and run the same command again") from None
-            if not said and now - started >= LOCK_NOTICE:
+            if not said and time.monotonic() - started >= LOCK_NOTICE:
                 print(f"{PROG}: waiting for the lock {path}, held by {holder}, as long as it shows it is alive (every "
                       f"{BEAT:g} s), and at most {limit:g} s (--dist-timeout) after its last sign of life",
                       file=sys.stderr, flush=True)

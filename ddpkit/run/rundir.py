@@ -1,20 +1,28 @@
 """Run directories: choosing the run's directory (LOG_DIR/RUN_NAME, the Slurm job's, or a
 new one named by the time) and holding it for as long as the run lives, so that a second
-run of the same name stops with one line instead of writing into the first one's files."""
+run of the same name stops with one line instead of writing into the first one's files.
+
+What holds the run's directory on which storage (RunClaim: an fcntl lock and a lease, both held):
+- node-local scratch, a default NFS mount (with its lock service), Lustre mounted flock, GPFS:
+  the lock excludes across processes and nodes, and the lease does too;
+- NFS mounted nolock or local_lock=all|posix|flock, Lustre mounted localflock: the lock excludes
+  only the processes of one node, the lease every node (a rename is atomic on the server);
+- a file system that offers no locks at all (ENOLCK, ENOSYS): the lease alone.
+A claim whose holder is gone never blocks: see RunClaim for how soon it is taken over."""
 
 import contextlib
 import errno
 import fcntl
 import itertools
 import os
-import socket
+import sys
 import time
 from pathlib import Path
 
 from ddpkit.distributed import Runtime, broadcast_from_main
-from ddpkit.files import make_folder
-from ddpkit.job.contract import JobPaths, default_run_name, run_name_setting
-from ddpkit.launch import Launch, UsageError, write_exit_file
+from ddpkit.files import NO_LOCKS, Lease, LeaseHolder, make_folder
+from ddpkit.job.contract import EXIT_USAGE, JobPaths, default_run_name, run_name_setting
+from ddpkit.launch import PROG, Launch, UsageError, record_exit, write_exit_file
 from ddpkit.options import RunOptions
 from ddpkit.run.recovery import storage_problem
 
@@ -43,50 +51,95 @@ class RunDirTaken(UsageError):
     """Another run holds the run directory."""
 
 
-class RunClaim:
-    """Rank 0's hold on its run directory for as long as the run lives: an exclusive lock
-    on RUN_DIR/.claim. POSIX locks also work across NFS clients, and the kernel releases
-    them when the process dies, even by SIGKILL, so a restart or a requeue gets it again.
-    (On NFS, the lock of a node that was lost outright lasts until the server notices,
-    its lock recovery; the refusal names the holder.) A second run of the same name (a
-    resubmission while the first still runs) meets it and stops with one line, before it
-    reads a checkpoint that the first one is writing."""
+CLAIM_FILE = ".claim"  # RUN_DIR/.claim: the kernel's lock on the run's directory, on one node
+CLAIM_LEASE = ".claim.lease"  # RUN_DIR/.claim.lease: the lease on it, across nodes (ddpkit.files.Lease)
+CLAIM_STALE = 60.0  # seconds without a sign of life after which a claim that neither its host nor Slurm vouches for is gone
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
+
+class RunClaim:
+    """Rank 0's hold on its run directory for as long as the run lives, so that a second run
+    of the same name (a resubmission while the first still runs) stops with one line naming
+    the holder, exit 2, before it reads a checkpoint that the first one is writing.
+
+    Two holds, both needed: an fcntl lock on RUN_DIR/.claim (on one node, and across nodes
+    where the file system's locks reach; the kernel drops it when the process dies), and the
+    lease RUN_DIR/.claim.lease (ddpkit.files.Lease), whose record names the holder (pid, host,
+    Slurm job, since) and is rewritten every 2 s. A lease whose holder is gone never blocks:
+    on the same host it is taken over at once when the holder's process has ended; a start
+    of the holder's own Slurm job (a requeue, a restarted step) takes it over at once; a
+    holder in another job of this Slurm cluster is gone once squeue no longer shows that job
+    running; else once its record has not changed for CLAIM_STALE (60) seconds, timed by the
+    newcomer. A holder shown alive (its pid, its running job, a beat) is refused at once. A
+    holder judged gone while it lived (frozen, or cut off from the storage for longer) finds
+    its record gone at its next beat and stops at once, exit 2: two runs never both go on."""
+
+    def __init__(self, run_dir: Path, launch: Launch | None = None):
+        self.run_dir, self.launch = run_dir, launch
         make_folder(run_dir)  # (its LOG_DIR too, which other jobs may be making)
-        self.file = open(run_dir / ".claim", "a+")
+        self.lease = Lease(run_dir / CLAIM_LEASE, stale_after=CLAIM_STALE, own_job_takes_over=True, on_lost=self.lost,
+                           rank=0)
+        self.file = open(run_dir / CLAIM_FILE, "a+")
         try:
             fcntl.lockf(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno == errno.ENOLCK:
+            if err.errno not in NO_LOCKS:  # (a file system without locks: the lease alone)
                 self.file.close()
-                raise UsageError(f"cannot lock {run_dir / '.claim'}: its file system offers no locks (NFS without a lock "
-                                 "service); ask your admins, or pass a --log-dir on another file system") from None
-            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                if err.errno in (errno.EACCES, errno.EAGAIN):
+                    raise self.taken(self.lock_holder()) from None
                 raise
-            holder = ""
-            for _ in range(20):  # the holder writes who it is just after it locks: give it a second
-                self.file.seek(0)
-                holder = self.file.read().strip()
-                if holder:
-                    break
-                time.sleep(0.05)
+        try:
+            self.take_lease()
+        except BaseException:
             self.file.close()
-            holder = holder or "another process"
-            raise RunDirTaken(f"another run is using {run_dir} ({holder}); wait for it to end, or pass another "
-                              f"{run_name_setting()} to start a separate run") from None
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        self.file.flush()
+            raise
         Path(JobPaths(str(run_dir)).exit_code).unlink(missing_ok=True)  # written again when this attempt ends
+
+    def lock_holder(self) -> LeaseHolder | None:
+        """The holder of the lock, as its lease names it (it takes the lease just after it
+        locks: this gives it a second)."""
+        holder = None
+        for _ in range(20):
+            holder = self.lease.look()
+            if holder and holder.record:
+                break
+            time.sleep(0.05)
+        return holder
+
+    def take_lease(self) -> None:
+        """Take the lease, waiting only while its holder may be gone and has not shown itself alive."""
+        said = False
+        while (holder := self.lease.attempt()) is not None:
+            if holder.alive:
+                raise self.taken(holder)
+            if not said:
+                print(f"{PROG}: {self.run_dir} is held by {holder}, which this host and Slurm cannot vouch for: waiting "
+                      f"for a sign of its life, at most {CLAIM_STALE:g} s, before this run takes it over",
+                      file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.2)
+
+    def taken(self, holder: LeaseHolder | None) -> "RunDirTaken":
+        return RunDirTaken(f"another run is using {self.run_dir} ({holder or 'another process'}); wait for it to end, or "
+                           f"pass another {run_name_setting()} to start a separate run")
+
+    def lost(self) -> None:
+        """The lease was taken from this run, judged gone while it lived: stop at once, before
+        it writes once more into a directory that another run now uses."""
+        print(f"{PROG}: error: another run took over {self.run_dir} ({self.run_dir / CLAIM_LEASE} no longer holds this "
+              "run's record: it judged this one gone, stopped or cut off from the storage); this run stops at once so "
+              "that two runs never write into one directory", file=sys.stderr, flush=True)
+        if self.launch:
+            with contextlib.suppress(OSError):
+                write_exit_file(self.launch, self.launch.paths.run_dir_taken, "")
+            record_exit(EXIT_USAGE, self.launch)
+        os._exit(EXIT_USAGE)
 
     def release(self, code: int) -> None:
         """Record how this attempt ended, for run_training.sbatch, sweep.py summary and
         whoever reads the directory, then let the next run in."""
         with contextlib.suppress(OSError):
             Path(JobPaths(str(self.run_dir)).exit_code).write_text(f"{code}\n")
+        self.lease.release()
         self.file.close()
 
 
@@ -118,7 +171,7 @@ def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime, run_dir: Path
     claim, error = None, ""
     if rt.is_main:
         try:
-            claim = RunClaim(run_dir)
+            claim = RunClaim(run_dir, launch)
         except UsageError as err:
             error = str(err)
             if isinstance(err, RunDirTaken):  # so the batch file leaves that run's files alone

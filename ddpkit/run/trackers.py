@@ -16,9 +16,9 @@ again), unless the start goes back before them with changed options: that is a n
 and a new tracker run. The per-step points (the batch loss, the ranks' step times) wait in the
 sender: one that ends before the tracker answers loses those, never an epoch.
 
-The sender holds RUN_DIR/.tracker.lock for as long as it lives, so that a start whose
-sender is still finishing (a rank killed, the run started again at once) waits for it before
-it records itself. Standard library only, apart from the tracker's own package in the sender."""
+The sender holds tracker.json (entry_lock: a flock and a lease) for as long as it lives, so
+that a start whose sender is still finishing (a rank killed, the run started again at once)
+waits for it before it records itself. Standard library only, apart from the tracker's own package in the sender."""
 
 import contextlib
 import dataclasses
@@ -31,10 +31,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ddpkit.files import replace_json
+from ddpkit.files import NO_LOCKS, Lease, replace_json
 from ddpkit.job.contract import EXIT_STOPPED, JobPaths
 
 # How long the end of a start waits for the sender to hand the tracker what is left (a stop on
@@ -57,8 +58,10 @@ PASSING_HTTP = (408, 409, 429, 499)
 DEFAULT_PORTS = {"http": 80, "https": 443}
 # MLflow's log_batch takes 1000 metrics and 100 parameters at most.
 BATCH, PARAMS_BATCH = 1000, 100
-# How long a start waits for the sender of an earlier start to let go of tracker.json.
+# How long a start waits for the sender of an earlier start to let go of tracker.json, and how
+# long a holder of its lease may show no sign of life before it is judged gone (taken over).
 LOCK_WAIT = 60.0
+TRACKER_LEASE = ".tracker.lease"  # RUN_DIR/.tracker.lease: the lease on tracker.json, across nodes
 # How long a start that spells its MLflow server anew waits for the names of the servers in
 # tracker.json to resolve (find_entry): a name that has not resolved by then is another server.
 RESOLVE_SECONDS = 3.0
@@ -213,28 +216,44 @@ def read_entry(path: Path, entry: str) -> dict:
 
 
 @contextlib.contextmanager
-def entry_lock(path: Path, wait: float):
-    """Hold RUN_DIR/.tracker.lock (flock) for tracker.json beside it, waiting `wait` seconds at
-    most; a file system without locks, or a wait that runs out, goes on without it (said once)."""
-    lock = None
+def entry_lock(path: Path, wait: float, on_lost: Callable[[], object] | None = None):
+    """Hold tracker.json (`path`) for its writer, waiting `wait` seconds at most: a flock on
+    RUN_DIR/.tracker.lock (on one node) and the lease RUN_DIR/.tracker.lease (across nodes,
+    ddpkit.files.Lease; a holder whose process ended on this host, or that has not beaten
+    for LOCK_WAIT seconds, is taken over). A file system without locks, or a wait that runs
+    out, goes on without them (said once). `on_lost`: what the holder does if its lease is
+    taken from it, judged gone while it lived."""
+    lock, lease, deadline = None, None, time.monotonic() + wait
     try:
         lock = open(path.with_name(".tracker.lock"), "a")
-        deadline = time.monotonic() + wait
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    print(f"warning: the tracker's sender of an earlier start still holds {path}; this start goes on "
-                          "without waiting for it", file=sys.stderr, flush=True)
-                    break
+                    raise TimeoutError from None
                 time.sleep(0.2)
-    except OSError:  # (no locks on this file system: a lone start needs none)
-        pass
+            except OSError as err:
+                if err.errno not in NO_LOCKS:
+                    raise
+                break  # (no locks on this file system: the lease alone)
+        lease = Lease(path.with_name(TRACKER_LEASE), stale_after=LOCK_WAIT, on_lost=on_lost)
+        while lease.attempt() is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(0.2)
+    except TimeoutError:
+        lease = None
+        print(f"warning: the tracker's sender of an earlier start still holds {path}; this start goes on "
+              "without waiting for it", file=sys.stderr, flush=True)
+    except OSError:  # (a folder that refuses the lease: a lone start needs none)
+        lease = None
     try:
         yield
     finally:
+        if lease:
+            lease.release()
         if lock:
             lock.close()
 
@@ -630,7 +649,14 @@ def main(kind: str, run_dir: str, entry: str) -> None:
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     path = Path(JobPaths(run_dir).tracker)
-    with entry_lock(path, wait=24 * 3600.0):  # (an earlier start's sender first: it ends once it has sent)
+
+    def lost() -> None:  # (two senders would send the same points twice)
+        print(f"warning: a later start took over {path.with_name(TRACKER_LEASE)}, judging this tracker's sender "
+              "gone; it ends, and that start sends what the tracker lacks (from metrics.jsonl)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    # (an earlier start's sender first: it ends once it has sent)
+    with entry_lock(path, wait=24 * 3600.0, on_lost=lost):
         sender = Sender(kind, Path(run_dir), entry)
         threading.Thread(target=sender.take, args=(sys.stdin,), daemon=True).start()
         sender.serve()

@@ -21,8 +21,7 @@
                        installed (read at start-up: for a fresh interpreter, not a forked run)
   AID_LOCKS_EXCLUDE_NOTHING=1|H  fcntl.lockf and fcntl.flock succeed at once and exclude
                        nobody, as between two nodes on an NFS mount with nolock or local_lock,
-                       or Lustre with localflock (H: only in processes on the host named H;
-                       read at start-up: for a fresh interpreter)
+                       or Lustre with localflock (H: only in processes on the host named H)
   AID_ESTALE_OPENS=R:N[:P]  on rank R, the first N opens of a file whose name matches the
                        pattern P (fnmatch; ckpt-*.pt, the run's checkpoints, unless given)
                        raise OSError(ESTALE), as on NFS while another node's rename of the
@@ -295,17 +294,28 @@ def say_threads():
 
 
 def locks_exclude_nothing():
-    """AID_LOCKS_EXCLUDE_NOTHING: replace fcntl's two locks by calls that lock nothing."""
+    """AID_LOCKS_EXCLUDE_NOTHING: wrap fcntl's two locks so that, while the variable asks for
+    it when they are called, they lock nothing."""
     import fcntl
-    import socket
 
-    wanted = os.environ.get("AID_LOCKS_EXCLUDE_NOTHING", "")
-    if wanted == "1" or (wanted and wanted == socket.gethostname()):
-        fcntl.lockf = fcntl.flock = lambda fd, operation, *rest: None
+    def excludes_nothing():
+        wanted = os.environ.get("AID_LOCKS_EXCLUDE_NOTHING", "")
+        if wanted in ("", "1"):
+            return wanted == "1"
+        import socket
+        return wanted == socket.gethostname()
+
+    def wrapped(plain):
+        def lock(fd, operation, *rest):
+            return None if excludes_nothing() else plain(fd, operation, *rest)
+        lock.aided = True
+        return lock
+
+    if not getattr(fcntl.lockf, "aided", False):
+        fcntl.lockf, fcntl.flock = wrapped(fcntl.lockf), wrapped(fcntl.flock)
 
 
-if os.environ.get("AID_LOCKS_EXCLUDE_NOTHING"):
-    locks_exclude_nothing()
+locks_exclude_nothing()
 if os.environ.get("AID_THREADS_AT_EXIT") == "1" and (os.environ.get("RANK") or os.environ.get("SLURM_PROCID")):
     import atexit
     atexit.register(say_threads)

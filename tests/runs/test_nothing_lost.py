@@ -14,6 +14,7 @@ import gzip
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -42,10 +43,10 @@ def steps_per_epoch(batch: int = BATCH, ranks: int = 1) -> int:
     return math.ceil(count / (ranks * batch))  # (the last global batch is filled up)
 
 
-def run_driver(code: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def run_driver(code: str, args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """mnist_ddp.main(args) in a process of its own, after `code` changed something in it."""
     driver = f"import os, signal, sys, mnist_ddp\n{code}\nsys.exit(mnist_ddp.main(sys.argv[1:]))"
-    return run_python(args, cwd, code=driver)
+    return run_python(args, cwd, code=driver, **env)
 
 
 # The process dies half way through writing the first file whose name holds TARGET: the real
@@ -81,19 +82,25 @@ def test_keep_ckpts_keeps_exactly_that_many(workdir):
 def test_a_save_killed_half_way_leaves_the_checkpoints_and_model_before_it_whole(workdir, dies_in):
     """A finished run is trained one epoch longer, and the process is SIGKILLed half way
     through writing its next checkpoint, or its new model.pt: every file of the first run is
-    byte for byte what it was and loads, and the same command then finishes the run."""
-    run_dir = workdir / "runs" / "a"
+    byte for byte what it was and loads, and the same command then finishes the run, from the
+    newest checkpoint, taking over at once the run's lease that the killed process left (its
+    process has ended), also where fcntl's locks exclude nothing (NFS mounted nolock)."""
+    run_dir, nolock = workdir / "runs" / "a", {"AID_LOCKS_EXCLUDE_NOTHING": "1"}
     assert_ok(run_single([*ONE_EPOCH, "--run-name", "a"], cwd=workdir))
     before = {path: path.read_bytes() for path in [*run_dir.glob("checkpoints/*.pt"), run_dir / "model.pt"]}
     longer = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "a", "--allow-changes"]
-    killed = run_driver(f"TARGET = {dies_in!r}\n{DIE_HALF_WAY}", longer, workdir)
+    killed = run_driver(f"TARGET = {dies_in!r}\n{DIE_HALF_WAY}", longer, workdir, **nolock)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert list(run_dir.glob(f"**/.{dies_in}*.tmp*")) or list(run_dir.glob("**/.*tmp*"))  # it did die mid-write
     for path, data in before.items():
         assert path.read_bytes() == data, f"{path} changed"
         torch.load(path, weights_only=True)
-    finished = run_single(longer, cwd=workdir)
+    newest = max(run_dir.glob("checkpoints/ckpt-*.pt"))
+    finished = run_single(longer, cwd=workdir, **nolock)
     assert_ok(finished)
+    assert re.search(r"^took over runs/a/\.claim\.lease from pid \d+ on \S+ since [\d: -]+: its process has ended$",
+                     finished.stderr, re.M), finished.stderr[-2000:]
+    assert f"resumed from {newest.relative_to(workdir)}: " in finished.stdout, finished.stdout[-2000:]
     assert [m["epoch"] for m in read_metrics(run_dir)] == [1, 2]
     assert (run_dir / "model.pt").read_bytes() != before[run_dir / "model.pt"]  # trained longer
     assert list(run_dir.glob("**/.*tmp*")) == []  # the dead save's temporary file was removed
@@ -274,10 +281,12 @@ def test_a_metrics_line_without_the_epoch_figures_is_dropped_with_a_warning(work
 
 
 @pytest.mark.slow
-def test_two_runs_of_one_name_at_once(workdir):
+@pytest.mark.parametrize("locks", [{}, {"AID_LOCKS_EXCLUDE_NOTHING": "1"}], ids=["locks", "locks-exclude-nothing"])
+def test_two_runs_of_one_name_at_once(workdir, locks):
+    """Also where fcntl's locks exclude nothing (NFS mounted nolock, between nodes): the run's lease refuses the second."""
     args = ["--epochs", "2", "--batch-size", str(BATCH), "--run-name", "twice", "--ckpt-every", "1", "--keep-ckpts", "1"]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=workdir, env=clean_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=workdir, env=clean_env(**locks),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     assert sorted(code for code, _, _ in results) == [0, 2], results
     refused = next(err for code, _, err in results if code == 2)

@@ -100,12 +100,15 @@ def test_rank0_downloads_behind_the_barrier(workdir, sample_files, checksums):
 
 
 @pytest.mark.slow
-def test_two_jobs_share_one_data_dir(workdir, sample_files, checksums):
+@pytest.mark.parametrize("locks", [{}, {"AID_LOCKS_EXCLUDE_NOTHING": "1"}], ids=["locks", "locks-exclude-nothing"])
+def test_two_jobs_share_one_data_dir(workdir, sample_files, checksums, locks):
+    """Also where fcntl's locks exclude nothing (NFS mounted nolock, between nodes): the data lock's lease holds."""
     mirror = Mirror(sample_files, delay=0.3)
     try:
         args = ["--dataset", "mnist", "--data-mirror", mirror.url, "--download-only"]
         # Both started before either is waited on (forked with torch imported: preloaded.py).
-        jobs = [preloaded.Run(args, workdir, clean_env(), code=python_with_checksums(checksums)[2]) for _ in range(2)]
+        jobs = [preloaded.Run(args, workdir, clean_env(**locks), code=python_with_checksums(checksums)[2])
+                for _ in range(2)]
         try:
             results = [job.wait(120) for job in jobs]
         finally:

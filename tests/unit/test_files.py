@@ -10,6 +10,13 @@ number of times, and raises a real error (a file in the way, EROFS) at once.
 read_written_elsewhere retries ENOENT, ESTALE and a file shorter than its writer saw, then
 gives up in one line that names the file and its file system.
 
+The lease, with real processes for holders: a live holder on this host is refused, and its
+release leaves nothing; one whose process ended is taken over at once; one on another host
+(its record written here, as its node leaves it) is taken over after its bound once it is
+silent, never while it beats, at once when it was this process's own Slurm job, and as a
+stand-in squeue says of its job; a holder frozen until it was taken over stops at its next
+beat (on_lost); four starters racing for a dead holder's lease hold it one at a time.
+
     python -m pytest tests/unit/test_files.py
 """
 
@@ -17,17 +24,33 @@ import errno
 import json
 import multiprocessing
 import os
+import re
+import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import ddpkit.files
-from ddpkit.files import FileNotSeen, file_system, make_folder, read_written_elsewhere, replace_json, replace_text, save_atomic
+from ddpkit.files import (
+    FileNotSeen,
+    Lease,
+    file_system,
+    make_folder,
+    read_written_elsewhere,
+    replace_json,
+    replace_text,
+    save_atomic,
+)
 from ddpkit.run.checkpoints import remove_stale_temporaries
 from helpers.checkpoints import names
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -235,3 +258,208 @@ def test_a_file_never_seen_is_named_with_its_file_system(tmp_path):
 
 def test_the_file_system_is_the_innermost_mount(full_disk):
     assert file_system(full_disk / "ckpt.pt") == (str(full_disk), "tmpfs")
+
+
+# ----------------------------------------------------------------------------- leases
+# Each holder is a real process of its own. A holder on "another host" is what such a node
+# leaves on the shared file system: its record, written here as a file (and rewritten by a
+# process of its own where it beats).
+
+HOLDER = """
+import os, sys, time
+from pathlib import Path
+from ddpkit.files import Lease
+
+def lost():
+    print("lost", flush=True)
+    os._exit(3)
+
+lease = Lease(Path(sys.argv[1]), stale_after=60.0, on_lost=lost, beat=0.2)
+while lease.attempt() is not None:
+    time.sleep(0.05)
+print("held", flush=True)
+sys.stdin.readline()
+lease.release()
+"""
+
+# Rewrites a record of a holder on another host every 0.2 s, as such a holder's beats do.
+BEATS_ELSEWHERE = """
+import json, sys, time
+record = json.loads(sys.argv[2])
+while True:
+    record["beat"] += 1
+    with open(sys.argv[1], "w") as fh:
+        fh.write(json.dumps(record) + "\\n")
+    time.sleep(0.2)
+"""
+
+
+def start_holder(lease: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lease)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def elsewhere(lease: Path, **fields) -> Path:
+    """A lease held by a process of another host (no job unless `fields` give one), as its node left it."""
+    lease.mkdir()
+    record = lease / "holder-0123456789abcdef"
+    record.write_text(json.dumps({"host": "node-elsewhere", "pid": 4242, "start": "77", "job": None, "cluster": None,
+                                  "rank": 0, "since": "2026-11-28 07:00:00", "beat": 0, **fields}) + "\n")
+    return record
+
+
+def took_over(lease: Lease, seconds: float) -> bool:
+    """Whether `lease` was taken within `seconds` of attempts."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if lease.attempt() is None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def no_slurm(tmp_path_factory, monkeypatch):
+    """No squeue on the PATH (a machine outside Slurm): a folder of its own, for a stand-in."""
+    folder = tmp_path_factory.mktemp("bin")
+    monkeypatch.setenv("PATH", str(folder))
+    for name in ("SLURM_JOB_ID", "SLURM_CLUSTER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    return folder
+
+
+def test_a_live_holder_on_this_host_is_refused_and_its_release_frees_the_lease(tmp_path, no_slurm):
+    path = tmp_path / "x.lease"
+    holder = start_holder(path)
+    try:
+        seen = Lease(path, stale_after=1.0).attempt()
+        assert seen is not None and seen.alive and not seen.gone
+        assert str(seen).startswith(f"pid {holder.pid} on {socket.gethostname()} since ")
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert names(tmp_path) == []  # released: nothing left
+    lease = Lease(path, stale_after=1.0)
+    assert lease.attempt() is None
+    lease.release()
+    assert names(tmp_path) == []
+
+
+def test_a_holder_whose_process_ended_on_this_host_is_taken_over_at_once(tmp_path, no_slurm, capfd):
+    path = tmp_path / "x.lease"
+    holder = start_holder(path)
+    holder.kill()
+    holder.wait()
+    lease = Lease(path, stale_after=3600.0)
+    assert lease.attempt() is None  # at once: not after an hour
+    assert re.fullmatch(rf"took over {re.escape(str(path))} from pid {holder.pid} on {re.escape(socket.gethostname())} "
+                        r"since [\d: -]+: its process has ended\n", capfd.readouterr().err)
+    lease.release()
+    assert names(tmp_path) == []
+
+
+def test_a_silent_holder_on_another_host_is_taken_over_after_stale_after(tmp_path, no_slurm):
+    path = tmp_path / "x.lease"
+    elsewhere(path)
+    lease = Lease(path, stale_after=1.5)
+    began = time.monotonic()
+    seen = lease.attempt()
+    assert seen is not None and not seen.alive and not seen.gone and str(seen).endswith("since 2026-11-28 07:00:00")
+    assert took_over(lease, 60)
+    assert time.monotonic() - began >= 1.5  # (not before its bound, timed on this process's clock)
+    lease.release()
+
+
+def test_a_beating_holder_on_another_host_is_alive_and_never_taken_over(tmp_path, no_slurm):
+    path = tmp_path / "x.lease"
+    record = elsewhere(path)
+    beats = subprocess.Popen([sys.executable, "-c", BEATS_ELSEWHERE, str(record), record.read_text()])
+    try:
+        lease = Lease(path, stale_after=1.0)
+        assert not took_over(lease, 3.0)  # three times its bound
+        seen = lease.attempt()
+        assert seen is not None and seen.alive and not seen.gone
+    finally:
+        beats.kill()
+        beats.wait()
+
+
+def test_own_slurm_job_takes_over_at_once_but_a_data_lock_does_not(tmp_path, no_slurm, monkeypatch):
+    path = tmp_path / "x.lease"
+    elsewhere(path, job="4242")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # this process: a later start of that job
+    seen = Lease(path, stale_after=3600.0).attempt()  # (the data lock's rule: ranks of one job share it)
+    assert seen is not None and not seen.gone
+    lease = Lease(path, stale_after=3600.0, own_job_takes_over=True)
+    assert lease.attempt() is None
+    lease.release()
+
+
+@pytest.mark.parametrize("state, taken", [("RUNNING", False), ("SUSPENDED", False), ("PENDING", True), ("", True)])
+def test_a_holder_in_another_slurm_job_lives_while_squeue_shows_it_running(tmp_path, no_slurm, state, taken):
+    """squeue (a stand-in that answers as Slurm does, and records what it was asked) decides at once."""
+    path = tmp_path / "x.lease"
+    elsewhere(path, job="77")
+    squeue = no_slurm / "squeue"
+    squeue.write_text(f"#!/bin/sh\necho \"$*\" >> {no_slurm / 'asked'}\necho {state}\n")
+    squeue.chmod(0o755)
+    lease = Lease(path, stale_after=3600.0)
+    seen = lease.attempt()
+    assert (seen is None) == taken
+    if not taken:
+        assert seen.alive
+    assert (no_slurm / "asked").read_text() == "-h -j 77 -o %T\n"
+
+
+def test_a_holder_judged_gone_while_alive_finds_its_record_taken_and_stops(tmp_path, no_slurm):
+    """A holder frozen (SIGSTOP) long enough to be judged gone, as if on another node: once it
+    runs again, its next beat finds its record gone, and on_lost stops it."""
+    path = tmp_path / "x.lease"
+    holder = start_holder(path)
+    try:
+        os.kill(holder.pid, signal.SIGSTOP)
+        [record] = path.glob("holder-*")
+        record.write_text(record.read_text().replace(socket.gethostname(), "node-elsewhere"))
+        lease = Lease(path, stale_after=1.0)
+        assert took_over(lease, 60)
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.stdout.readline() == "lost\n"
+        assert holder.wait(30) == 3
+        assert [p.name for p in path.iterdir()] == [lease.record_path.name]  # the taker's lease, untouched
+        lease.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+TAKE_TURNS = """
+import os, sys, time
+from pathlib import Path
+from ddpkit.files import Lease
+
+lease = Lease(Path(sys.argv[1]), stale_after=60.0)
+while lease.attempt() is not None:
+    time.sleep(0.01)
+with open(sys.argv[2], "a") as log:
+    log.write(f"in {os.getpid()}\\n")
+    log.flush()
+    time.sleep(0.3)
+    log.write(f"out {os.getpid()}\\n")
+lease.release()
+"""
+
+
+def test_starters_racing_for_a_lease_left_by_a_dead_holder_take_turns(tmp_path, no_slurm):
+    """Four processes started at once at a lease whose holder died: each holds it alone in turn."""
+    path, log = tmp_path / "x.lease", tmp_path / "log"
+    holder = start_holder(path)
+    holder.kill()
+    holder.wait()
+    racers = [subprocess.Popen([sys.executable, "-c", TAKE_TURNS, str(path), str(log)], stderr=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(4)]
+    assert [racer.wait(120) for racer in racers] == [0, 0, 0, 0]
+    lines = log.read_text().split()
+    assert len(lines) == 16 and all(lines[i] == "in" and lines[i + 2] == "out" and lines[i + 1] == lines[i + 3]
+                                    for i in range(0, 16, 4)), lines
+    assert names(tmp_path) == ["log"]

@@ -1,7 +1,8 @@
 """Failures that heal by themselves on the shared one-node Slurm (local-slurm.sh), with real
-processes and real signals: a rank SIGKILLed twice in one job (final parameters equal to an
-uninterrupted run's), a rank frozen with SIGSTOP (named from outside before the timeout), a
-crash loop that gives up after MAX_RESTARTS, a rank that dies after it finished and saved,
+processes and real signals: a rank SIGKILLed twice in one job, rank 0 the second time (final
+parameters equal to an uninterrupted run's; the run's lease it left taken over at once), a
+rank frozen with SIGSTOP (named from outside before the timeout), a crash loop that gives
+up after MAX_RESTARTS, a rank that dies after it finished and saved,
 and usage errors and a divergence that are not retried. Across nodes:
 tests/cluster/mostly_waiting/test_recovery_across_nodes.py; at unit level:
 tests/unit/test_recovery.py.
@@ -35,23 +36,27 @@ def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
 # ----------------------------------------------------------------------------- on a real Slurm
 
 def test_a_rank_killed_twice_heals_within_the_job_bit_identically(one_node, tmp_path):
-    """SIGKILL rank 1 in epoch 2 and again in epoch 5 of the restarted step: the job
+    """SIGKILL rank 1 in epoch 2, and rank 0 in epoch 5 of the restarted step: the job
     restarts the step twice in its allocation and ends with the very parameters of an
-    uninterrupted run, every epoch and every logged step once in metrics and TensorBoard."""
+    uninterrupted run, every epoch and every logged step once in metrics and TensorBoard.
+    The step after rank 0's death takes over at once the run's lease it left, also where
+    fcntl's locks exclude nothing (the aid, as on NFS mounted nolock)."""
     options = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
     reference = one_node.sbatch(tmp_path / "reference", options, FAST, RUN_NAME="straight")
-    client = one_node.sbatch(tmp_path, options, FAST, RUN_NAME="healed")
+    client = one_node.sbatch(tmp_path, options, FAST, RUN_NAME="healed", AID_LOCKS_EXCLUDE_NOTHING="1")
     kills = []
-    for epoch in (1, 4):  # epoch 4 ends only in the restarted step
+    for epoch, rank in ((1, 1), (4, 0)):  # epoch 4 ends only in the restarted step
         wait_for(tmp_path, rf"^0: epoch   {epoch} \|")
-        kills.append(signal_rank("healed", 1, signal.SIGKILL))
+        kills.append(signal_rank("healed", rank, signal.SIGKILL))
     resumed = [wait_for(tmp_path, r"^0: resumed from ", n) for n in (1, 2)]
     job_id, out = finish(client, tmp_path)
     finish(reference, tmp_path / "reference")
     print(f"\nSIGKILL to training resumed: {[round(r - k, 1) for k, r in zip(kills, resumed, strict=True)]} s; "
           f"steps lost per crash: {lost_steps(out)}")
-    assert re.findall(r"^ATTEMPT (\d/4) after exit \d+ \(rank 1 ended without an exit code", out, re.M) == ["2/4", "3/4"], \
-        out[-3000:]
+    assert re.findall(r"^ATTEMPT (\d/4) after exit ", out, re.M) == ["2/4", "3/4"], out[-3000:]
+    assert re.search(r"^ATTEMPT 2/4 after exit \d+ \(rank 1 ended without an exit code", out, re.M), out[-3000:]
+    assert re.findall(r"^0: took over \S+/runs/healed/\.claim\.lease from pid \d+ on \S+ since [\d: -]+, Slurm job "
+                      rf"{job_id}: (.*)$", out, re.M) == ["its process has ended"], out[-3000:]
     assert re.search(rf"^END .* job={job_id} exit=0$", out, re.M)
     assert re.findall(r"^0: resumed from .* \(attempt (\d/4), requeued 0x\)$", out, re.M) == ["2/4", "3/4"]
     run_dir = tmp_path / "runs" / "healed"
