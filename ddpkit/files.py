@@ -246,6 +246,7 @@ SLURM_LIVE = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "ST
                         "STAGE_OUT"})  # the job states whose processes may still run (squeue %T)
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # fcntl's locks where a file system has none (a lease holds there)
 SLURM_RECHECK = 30.0  # seconds a waiter trusts what squeue said of a holder's job
+NO_RECORD_BEATS = 10  # beats after which a lease that holds no record is gone, whatever its bound
 
 
 @dataclasses.dataclass
@@ -282,16 +283,24 @@ def process_start(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def slurm_job_state(job: str) -> str | None:
-    """The state Slurm gives `job` ('' once Slurm no longer knows it), or None where squeue cannot tell."""
+def slurm_job_state(job: str, *, step: bool = False) -> str | None:
+    """The state Slurm gives `job` ('' once Slurm no longer knows it), or None where squeue
+    cannot tell (missing, failing, or showing nothing: a job of another user that PrivateData
+    hides). With `step`, of the job step JOB.STEP of this process's own job: '' once squeue
+    no longer lists it."""
+    # (--jobs=, --steps=: squeue's short forms take their value only when written -j77, -s77.0)
+    command = (["squeue", "-h", f"--steps={job}", "-o", "%i"] if step else
+               ["squeue", "-h", "--states=all", f"--jobs={job}", "-o", "%T"])
     try:
-        done = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     if done.returncode != 0:
         return "" if "invalid job id" in done.stderr.lower() else None
     states = done.stdout.split()
-    return states[0] if states else ""
+    if step:
+        return "RUNNING" if job in states else ""
+    return states[0] if states else None
 
 
 def remove_folder(path: Path) -> None:
@@ -312,28 +321,32 @@ class Lease:
     While it holds the lease, a thread of the holder rewrites its record every `beat` seconds
     (the beat counted), opening it by its path: if the record is gone, the lease was taken
     from this holder, judged gone while it lived (stopped, or its storage away), and
-    `on_lost` is called (in that thread) so that two holders never both go on. (On NFS, a
+    `on_lost` is called (in that thread) so that two holders never go on together past a beat. (On NFS, a
     client that still has the moved folder cached meets the record removed: ESTALE.)
 
     A waiter judges the holder by its record, read anew at each look:
     - on this host (socket.gethostname()), it lives while its pid does with the same start
       time (a pid reused is caught); else it is gone at once;
-    - with `own_job_takes_over`, a holder of this process's own Slurm job (and cluster) on
-      another host is gone at once (a requeued or restarted job, which runs one step at a time);
-    - a holder in a Slurm job of this cluster lives while squeue shows its job in a state
-      whose processes may run (SLURM_LIVE), and is gone at once when squeue shows another
-      state or no longer knows it; where squeue is missing or fails, its beats decide:
+    - a holder of this process's own Slurm job (and cluster) on another host: with
+      `own_job_takes_over`, it is gone at once when it was a start of the job before a requeue
+      (SLURM_RESTART_COUNT), or a step of it that squeue no longer lists (a restarted step);
+      else (a rank of this very step, a step still listed) its beats decide;
+    - a holder in another Slurm job of this cluster lives while squeue shows its job in a
+      state whose processes may run (SLURM_LIVE), and is gone at once when squeue shows
+      another state or no longer knows it ('Invalid job id'); where squeue is missing, fails
+      or shows nothing (a job that PrivateData hides), its beats decide:
     - it lives while its record changes; with `stale_after`, it is gone once its record has
       not changed for `stale_after` seconds, timed on this process's own clock (the clocks of
-      nodes differ). A record that never appears is judged the same way. Without
-      `stale_after`, silence never makes it gone: the caller decides how long to wait
-      (silent_for).
+      nodes differ). Without `stale_after`, silence never makes it gone: the caller decides
+      how long to wait (silent_for). A lease whose record never appears (its holder died as
+      it placed it) is gone after `stale_after`, or NO_RECORD_BEATS beats without it.
 
     A holder judged gone is taken over without ever letting two in: the lease is renamed
     aside to PATH.stale-<token> (of two takers, one rename succeeds), and is removed only if it
     still holds the very record judged gone; else (taken over by a third between the look and
-    the rename) it is renamed back, and where that fails its holder meets its record gone at
-    its next beat. Release renames the lease aside the same way before removing it."""
+    the rename) it is renamed back, and where that fails it is removed, so that its holder
+    meets its record gone at its next beat and stops (on_lost, once a second look a moment
+    later confirms it). Release renames the lease aside the same way before removing it."""
 
     def __init__(self, path: Path, *, stale_after: float | None, own_job_takes_over: bool = False,
                  on_lost: Callable[[], object] | None = None, rank: int | None = None, beat: float = LEASE_BEAT):
@@ -342,8 +355,12 @@ class Lease:
         self.token = secrets.token_hex(8)
         self.host, self.job = socket.gethostname(), os.environ.get("SLURM_JOB_ID") or None
         self.cluster = os.environ.get("SLURM_CLUSTER_NAME") or None
+        # which start of its job this is: the requeues before it, and its step
+        self.restarts = os.environ.get("SLURM_RESTART_COUNT", "0") if self.job else None
+        self.step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID") or None
         self.record = {"host": self.host, "pid": os.getpid(), "start": process_start(os.getpid()), "job": self.job,
-                       "cluster": self.cluster, "rank": rank, "since": "", "beat": 0}
+                       "cluster": self.cluster, "restarts": self.restarts, "step": self.step, "rank": rank,
+                       "since": "", "beat": 0}
         self.held = False
         self.released = threading.Event()
         self.beats: threading.Thread | None = None
@@ -390,7 +407,7 @@ class Lease:
             finally:
                 os.close(fd)
             os.rename(fresh, self.path)
-            return True
+            return self.record_path.exists()  # (not if a cleanup emptied the folder before the rename)
         except OSError as err:
             remove_folder(fresh)
             if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
@@ -407,9 +424,7 @@ class Lease:
         except FileNotFoundError:
             names, raw = None, b""  # (let go, or moved aside, meanwhile)
         except OSError:  # (a file server that answers ESTALE or EIO this once: nothing new seen)
-            if self.seen is None:
-                raise
-            names, raw = self.seen
+            names, raw = self.seen if self.seen is not None else ((), b"")
         now = time.monotonic()
         if self.seen is None or self.seen[0] != names:  # another holder, or none
             self.last_change, self.changed = now, False
@@ -436,24 +451,40 @@ class Lease:
                     return True, ""
                 return False, "its process has ended"
             same_cluster = record.get("cluster") == self.cluster
-            if job and self.own_job_takes_over and job == self.job and same_cluster:
-                return False, f"it was an earlier start of this Slurm job ({job})"
-            state = self.job_state(job) if job and same_cluster else None
-            if state:
-                return (True, "") if state in SLURM_LIVE else (False, f"its Slurm job {job} is {state}")
-            if state == "":
-                return False, f"Slurm no longer knows its job {job}"
+            if job and job == self.job and same_cluster:  # this very job, on another node
+                gone = self.own_job_start_gone(record) if self.own_job_takes_over else ""
+                if gone:
+                    return False, gone
+            elif job and same_cluster:
+                state = self.job_state(job)
+                if state:
+                    return (True, "") if state in SLURM_LIVE else (False, f"its Slurm job {job} is {state}")
+                if state == "":
+                    return False, f"Slurm no longer knows its job {job}"
         silent = now - self.last_change
         if self.stale_after is not None and silent >= self.stale_after:
             what = "showed no sign of life" if record else "never said who it is"
             return False, f"it {what} for {silent:.0f} s (the bound is {self.stale_after:g} s)"
+        if record is None and silent >= NO_RECORD_BEATS * self.beat:
+            return False, f"it never said who it is in {silent:.0f} s"
         return self.changed and (self.stale_after is None or silent < self.stale_after), ""
 
-    def job_state(self, job: str) -> str | None:
-        """squeue's state of `job`, asked at most every SLURM_RECHECK seconds."""
+    def own_job_start_gone(self, record: dict) -> str:
+        """Why a holder of this process's own Slurm job is an earlier start of it, and so gone
+        ('' where it may be this very start, or squeue cannot tell)."""
+        job, step = record.get("job"), record.get("step")
+        if record.get("restarts") != self.restarts:
+            return f"it was a start of this Slurm job ({job}) before it was requeued"
+        if step and step != self.step and self.job_state(f"{job}.{step}", step=True) == "":
+            return f"its step {job}.{step} of this Slurm job has ended"
+        return ""
+
+    def job_state(self, job: str, *, step: bool = False) -> str | None:
+        """squeue's state of `job` (a job step JOB.STEP with `step`), asked at most every
+        SLURM_RECHECK seconds."""
         asked, state = self.jobs.get(job, (-SLURM_RECHECK, None))
         if time.monotonic() - asked >= SLURM_RECHECK:
-            asked, state = time.monotonic(), slurm_job_state(job)
+            asked, state = time.monotonic(), slurm_job_state(job, step=step)
             self.jobs[job] = (asked, state)
         return state
 
@@ -481,14 +512,16 @@ class Lease:
         if found == names:
             remove_folder(aside)
             return True
-        with contextlib.suppress(OSError):  # (a new lease in its place: its holder's next beat finds it gone)
+        try:
             os.rename(aside, self.path)
+        except OSError:  # (a new lease in its place: this one's holder must meet its record gone)
+            remove_folder(aside)
         return False
 
     def tidy(self) -> None:
         """Remove what other processes' leases left beside this one (killed while placing,
         taking over or letting go), best-effort."""
-        for suffix in ASIDE:
+        for suffix in ASIDE[1:]:  # (not .new-: a starter may be placing it this moment)
             for leftover in self.path.parent.glob(f"{glob.escape(self.path.name)}{suffix}*"):
                 if not leftover.name.endswith(self.token):
                     remove_folder(leftover)
@@ -502,7 +535,7 @@ class Lease:
             try:
                 fd = os.open(self.record_path, os.O_WRONLY)  # (no O_CREAT: a record taken away stays away)
             except OSError as err:
-                if err.errno not in (errno.ENOENT, errno.ESTALE):
+                if err.errno not in (errno.ENOENT, errno.ESTALE) or self.back_in_place():
                     continue  # (a file server that is away: the waiters judge by the beats they see)
                 if not self.released.is_set():
                     self.held = False  # (its release must leave the new holder's lease alone)
@@ -515,6 +548,12 @@ class Lease:
                 pass
             finally:
                 os.close(fd)
+
+    def back_in_place(self) -> bool:
+        """Whether this holder's record is there again a moment later (a taker that moved the
+        lease aside by mistake puts it back at once)."""
+        time.sleep(min(0.5, self.beat / 4))
+        return self.record_path.exists()
 
     def release(self) -> None:
         """Let the lease go: stop the beats, and remove it (renamed aside first, so that it

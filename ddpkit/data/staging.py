@@ -89,13 +89,15 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: R
     --dist-timeout (`rt`'s; outside a run, its default) after the last beat it saw, it ends
     with HeldUp (exit 4), naming the holder again: a holder that stopped, hung in a C call or
     is gone (a rank of this job, on another node) beats no more. A holder known to be gone
-    (its process ended, on this host; its Slurm job no longer running) is taken over at once.
+    (its process ended, on this host; its Slurm job no longer running; an earlier start of
+    this process's own job) is taken over at once.
     (A holder that finds its lease taken from it says so and finishes: what two stagers
     write are the same checked files, each renamed into place whole.)"""
     path = data_dir / LOCK_FILE
-    lease = Lease(data_dir / LOCK_LEASE, stale_after=None, rank=rt.rank if rt else None, beat=BEAT,
-                  on_lost=lambda: print(f"warning: another process took over {data_dir / LOCK_LEASE}, judging this one "
-                                        "gone; this one finishes what it stages", file=sys.stderr, flush=True))
+    lease = Lease(data_dir / LOCK_LEASE, stale_after=None, own_job_takes_over=True, rank=rt.rank if rt else None,
+                  beat=BEAT, on_lost=lambda: print(f"warning: another process took over {data_dir / LOCK_LEASE}, "
+                                                   "judging this one gone; this one finishes what it stages",
+                                                   file=sys.stderr, flush=True))
     with contextlib.ExitStack() as held:
         try:
             make_folder(data_dir)  # (each node's first rank, and other jobs, at once)

@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from ddpkit import hangs
 from ddpkit.distributed import Runtime, broadcast_from_main
-from ddpkit.files import NO_LOCKS, Lease, LeaseHolder, make_folder
+from ddpkit.files import LEASE_BEAT, NO_LOCKS, Lease, LeaseHolder, make_folder
 from ddpkit.job.contract import EXIT_USAGE, JobPaths, default_run_name, run_name_setting
 from ddpkit.launch import PROG, Launch, UsageError, record_exit, write_exit_file
 from ddpkit.options import RunOptions
@@ -65,18 +66,20 @@ class RunClaim:
     where the file system's locks reach; the kernel drops it when the process dies), and the
     lease RUN_DIR/.claim.lease (ddpkit.files.Lease), whose record names the holder (pid, host,
     Slurm job, since) and is rewritten every 2 s. A lease whose holder is gone never blocks:
-    on the same host it is taken over at once when the holder's process has ended; a start
-    of the holder's own Slurm job (a requeue, a restarted step) takes it over at once; a
-    holder in another job of this Slurm cluster is gone once squeue no longer shows that job
-    running; else once its record has not changed for CLAIM_STALE (60) seconds, timed by the
-    newcomer. A holder shown alive (its pid, its running job, a beat) is refused at once. A
-    holder judged gone while it lived (frozen, or cut off from the storage for longer) finds
-    its record gone at its next beat and stops at once, exit 2: two runs never both go on."""
+    on the same host it is taken over at once when the holder's process has ended; a later
+    start of the holder's own Slurm job takes it over at once (a requeue; a restarted step
+    once squeue no longer lists the holder's step); a holder in another job of this Slurm
+    cluster is gone once squeue no longer shows that job running; else once its record has
+    not changed for CLAIM_STALE (60) seconds, at most half of --dist-timeout (which the other
+    ranks wait with), timed by the newcomer. A holder shown alive (its pid, its running job,
+    a beat) is refused at once. A holder judged gone while it lived (frozen, or cut off from
+    the storage for longer) finds its record gone at its next beat and stops at once, exit 2:
+    two runs overlap by one beat (2 s) at most."""
 
-    def __init__(self, run_dir: Path, launch: Launch | None = None):
+    def __init__(self, run_dir: Path, launch: Launch | None = None, *, stale_after: float = CLAIM_STALE):
         self.run_dir, self.launch = run_dir, launch
         make_folder(run_dir)  # (its LOG_DIR too, which other jobs may be making)
-        self.lease = Lease(run_dir / CLAIM_LEASE, stale_after=CLAIM_STALE, own_job_takes_over=True, on_lost=self.lost,
+        self.lease = Lease(run_dir / CLAIM_LEASE, stale_after=stale_after, own_job_takes_over=True, on_lost=self.lost,
                            rank=0)
         self.file = open(run_dir / CLAIM_FILE, "a+")
         try:
@@ -107,16 +110,20 @@ class RunClaim:
 
     def take_lease(self) -> None:
         """Take the lease, waiting only while its holder may be gone and has not shown itself alive."""
-        said = False
-        while (holder := self.lease.attempt()) is not None:
-            if holder.alive:
-                raise self.taken(holder)
-            if not said:
-                print(f"{PROG}: {self.run_dir} is held by {holder}, which this host and Slurm cannot vouch for: waiting "
-                      f"for a sign of its life, at most {CLAIM_STALE:g} s, before this run takes it over",
-                      file=sys.stderr, flush=True)
-                said = True
-            time.sleep(0.2)
+        before = None
+        try:
+            while (holder := self.lease.attempt()) is not None:
+                if holder.alive:
+                    raise self.taken(holder)
+                if before is None:
+                    print(f"{PROG}: {self.run_dir} is held by {holder}, which this host and Slurm cannot vouch for: "
+                          f"waiting for a sign of its life, at most {self.lease.stale_after:g} s, before this run takes "
+                          "it over", file=sys.stderr, flush=True)
+                    before = hangs.doing(f"waiting for a sign of life of {holder}, which holds {self.run_dir}")
+                time.sleep(0.2)
+        finally:
+            if before is not None:
+                hangs.restore(before)
 
     def taken(self, holder: LeaseHolder | None) -> "RunDirTaken":
         return RunDirTaken(f"another run is using {self.run_dir} ({holder or 'another process'}); wait for it to end, or "
@@ -171,7 +178,8 @@ def claim_run_dir(config: RunOptions, launch: Launch, rt: Runtime, run_dir: Path
     claim, error = None, ""
     if rt.is_main:
         try:
-            claim = RunClaim(run_dir, launch)
+            # (the other ranks wait for the claim with --dist-timeout: a silent holder is waited for less)
+            claim = RunClaim(run_dir, launch, stale_after=max(5 * LEASE_BEAT, min(CLAIM_STALE, config.dist_timeout / 2)))
         except UsageError as err:
             error = str(err)
             if isinstance(err, RunDirTaken):  # so the batch file leaves that run's files alone

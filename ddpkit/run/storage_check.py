@@ -6,7 +6,7 @@ lock that rank 0 holds there excludes a rank of another node.
 A lock that excludes nobody across nodes is what NFS mounted nolock or local_lock=..., and
 Lustre mounted localflock, do: fcntl's locks succeed on every node and exclude only the
 processes of one node. The check says so in one line, and passes all the same: the run's
-claim and the data lock stand on a lease made by mkdir, which holds on every shared file
+claim and the data lock stand on a lease, a folder renamed into place, which holds on every shared file
 system. A folder that cannot be written is refused where it is written (the supervisor for
 LOG_DIR, staging for DATA_DIR): here it is only said."""
 
@@ -28,7 +28,7 @@ PROBE = ".mnist-ddp-check-"  # the probe's name: PROBE + a nonce, removed once e
 def existing(folder: Path) -> Path:
     """`folder`, or its nearest parent that exists (a DATA_DIR that the first run makes)."""
     folder = folder.absolute()
-    while not folder.exists() and folder != folder.parent:
+    while not os.path.exists(folder) and folder != folder.parent:  # (never raises: a parent without search rights)
         folder = folder.parent
     return folder
 
@@ -228,5 +228,5 @@ def storage_lines(folder: StorageFolder, views: list[NodeView], wait: float = VI
     loose = [view.node for view in others if view.lock == "granted"]
     if loose:
         lines.append(f"check: locks on {folder.label} ({views[0].short}) do not exclude across nodes ({', '.join(loose)} "
-                     f"took one that {holder} held): the run's claim and the data lock use a lease (mkdir), which does")
+                     f"took one that {holder} held): the run's claim and the data lock use a lease (a folder renamed into place), which does")
     return lines

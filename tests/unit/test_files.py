@@ -385,31 +385,76 @@ def test_a_beating_holder_on_another_host_is_alive_and_never_taken_over(tmp_path
         beats.wait()
 
 
-def test_own_slurm_job_takes_over_at_once_but_a_data_lock_does_not(tmp_path, no_slurm, monkeypatch):
+def stand_in_squeue(folder: Path, answer: str) -> Path:
+    """A squeue on the PATH that records what it was asked and answers as Slurm does: `answer`
+    on stdout, or with "invalid", Slurm's error for a job it no longer knows."""
+    squeue = folder / "squeue"
+    said = ('echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1' if answer == "invalid"
+            else f"echo {answer}")
+    squeue.write_text(f"#!/bin/sh\necho \"$*\" >> {folder / 'asked'}\n{said}\n")
+    squeue.chmod(0o755)
+    return folder / "asked"
+
+
+def test_an_earlier_start_of_the_own_slurm_job_is_taken_over_at_once_where_the_lease_says_so(tmp_path, no_slurm,
+                                                                                                monkeypatch):
+    """A holder of this very job on another node: a start before a requeue is gone at once
+    (own_job_takes_over: the run's claim, the data lock); the tracker's lease (without it)
+    weighs its beats, and never asks squeue about the job it runs in."""
     path = tmp_path / "x.lease"
-    elsewhere(path, job="4242")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # this process: a later start of that job
-    seen = Lease(path, stale_after=3600.0).attempt()  # (the data lock's rule: ranks of one job share it)
-    assert seen is not None and not seen.gone
+    elsewhere(path, job="4242", restarts="0", step="0")
+    asked = stand_in_squeue(no_slurm, "RUNNING")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this process: the job's start after a requeue
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    seen = Lease(path, stale_after=3600.0).attempt()
+    assert seen is not None and not seen.gone and not seen.alive
     lease = Lease(path, stale_after=3600.0, own_job_takes_over=True)
     assert lease.attempt() is None
     lease.release()
+    assert not asked.exists()
 
 
-@pytest.mark.parametrize("state, taken", [("RUNNING", False), ("SUSPENDED", False), ("PENDING", True), ("", True)])
+@pytest.mark.parametrize("listed, taken", [("4242.0", False), ("", True)])
+def test_an_earlier_step_of_the_own_slurm_job_is_taken_over_once_squeue_no_longer_lists_it(tmp_path, no_slurm,
+                                                                                             monkeypatch, listed, taken):
+    """A restarted step (the same start of the job, another step) takes over at once a step
+    that squeue no longer lists; a step it still lists (a second srun of the same run at once)
+    is judged by its beats, and a rank of this very step is never asked about."""
+    path = tmp_path / "x.lease"
+    elsewhere(path, job="4242", restarts="0", step="0")
+    asked = stand_in_squeue(no_slurm, listed)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    seen = Lease(path, stale_after=3600.0, own_job_takes_over=True).attempt()  # a rank of the same step
+    assert seen is not None and not seen.gone and not asked.exists()
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    lease = Lease(path, stale_after=3600.0, own_job_takes_over=True)
+    seen = lease.attempt()
+    assert (seen is None) == taken
+    if taken:
+        lease.release()
+    else:
+        assert not seen.gone and not seen.alive  # (its beats decide)
+    assert asked.read_text() == "-h --steps=4242.0 -o %i\n"
+
+
+@pytest.mark.parametrize("state, taken", [("RUNNING", False), ("SUSPENDED", False), ("PENDING", True), ("invalid", True),
+                                          ("", False)])
 def test_a_holder_in_another_slurm_job_lives_while_squeue_shows_it_running(tmp_path, no_slurm, state, taken):
-    """squeue (a stand-in that answers as Slurm does, and records what it was asked) decides at once."""
+    """squeue (a stand-in that answers as Slurm does, and records what it was asked) decides at
+    once where it shows the job, or says it no longer knows it; where it shows nothing (a job
+    of another user that PrivateData hides), the holder's beats decide."""
     path = tmp_path / "x.lease"
     elsewhere(path, job="77")
-    squeue = no_slurm / "squeue"
-    squeue.write_text(f"#!/bin/sh\necho \"$*\" >> {no_slurm / 'asked'}\necho {state}\n")
-    squeue.chmod(0o755)
+    asked = stand_in_squeue(no_slurm, state)
     lease = Lease(path, stale_after=3600.0)
     seen = lease.attempt()
     assert (seen is None) == taken
     if not taken:
-        assert seen.alive
-    assert (no_slurm / "asked").read_text() == "-h -j 77 -o %T\n"
+        assert seen.alive == bool(state) and not seen.gone
+    assert asked.read_text() == "-h --states=all --jobs=77 -o %T\n"
 
 
 def test_a_holder_judged_gone_while_alive_finds_its_record_taken_and_stops(tmp_path, no_slurm):

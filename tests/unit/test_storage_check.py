@@ -83,7 +83,7 @@ def test_locks_that_exclude_nobody_are_said_with_what_covers_them():
         "check: LOG_DIR /shared/runs: nfs4 nas:/shared on /shared (local_lock=all) on all 3 nodes; a file written on n1 "
         "was seen on the others within 0.00 s; a lock held on n1 does not exclude the other nodes' ranks",
         "check: locks on LOG_DIR (nfs4, local_lock=all) do not exclude across nodes (n2, n3 took one that n1 held): the "
-        "run's claim and the data lock use a lease (mkdir), which does"]
+        "run's claim and the data lock use a lease (a folder renamed into place), which does"]
 
 
 def test_nodes_that_differ_make_one_line_a_node():
@@ -101,7 +101,7 @@ def test_nodes_that_differ_make_one_line_a_node():
         f"check: DATA_DIR on n4: {NFS}; the file written on n1 was seen "
         "after 1.50 s; a lock here failed (No locks available)",
         "check: locks on DATA_DIR (nfs4, local_lock=all) do not exclude across nodes (n2 took one that n1 held): the run's "
-        "claim and the data lock use a lease (mkdir), which does"]
+        "claim and the data lock use a lease (a folder renamed into place), which does"]
 
 
 def test_a_folder_rank_0_cannot_write_is_said_and_not_probed():

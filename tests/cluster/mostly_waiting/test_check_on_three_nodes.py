@@ -54,6 +54,6 @@ def test_check_names_the_slow_node_of_three_and_the_exclude_that_leaves_it_out(t
             rf"0: check: {label} on ftn3: {fs}; the file written on ftn1 was seen after \d+\.\d\d s; a lock held on ftn1 "
             r"excludes a rank here",
             rf"0: check: locks on {label} \([^)]+\) do not exclude across nodes \(ftn2 took one that ftn1 held\): the "
-            r"run's claim and the data lock use a lease \(mkdir\), which does"]
+            r"run's claim and the data lock use a lease \(a folder renamed into place\), which does"]
         assert len(storage) == len(expected), storage or out[-3000:]
         assert all(re.fullmatch(line, text) for line, text in zip(expected, storage, strict=True)), storage

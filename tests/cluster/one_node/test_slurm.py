@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -380,6 +381,17 @@ def test_wrong_python_is_named_in_the_error(one_node, tmp_path):
         refused(client, submit_dir, cases[python])
 
 
+def slurm_says(cluster, job: str, step: str, unknown: str) -> list[str]:
+    """What ddpkit.files.slurm_job_state makes of `job`, of the step `step` and of a job Slurm
+    never had, asked through the cluster's own squeue."""
+    code = ("import json, sys; from ddpkit.files import slurm_job_state as state; "
+            "print(json.dumps([state(sys.argv[1]), state(sys.argv[2], step=True), state(sys.argv[3])]))")
+    done = subprocess.run([str(LOCAL_SLURM), "exec", str(cluster.dir), sys.executable, "-c", code, job, step, unknown],
+                          env=cluster.env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_node, tmp_path):
     """A resubmission while the first job still runs: the second job meets the run's claim,
     exits 2 in one line, and touches nothing of the first one's (its exit codes, its line
@@ -393,10 +405,20 @@ def test_a_second_job_of_a_running_run_name_is_refused_and_leaves_it_alone(one_n
     _, out_b = finish(second, tmp_path / "b", code=2)
     assert re.search(r"^0: mnist_ddp.py: error: another run is using \S+/runs/shared \(pid \d+ on ", out_b, re.M), out_b[-2000:]
     assert first.poll() is None, "the first job should still be training"
+    # What the run's lease asks Slurm of a holder's job and step (ddpkit.files.slurm_job_state), from real squeue
+    run_dir = tmp_path / "runs" / "shared"
+    record = json.loads(next((run_dir / ".claim.lease").glob("holder-*")).read_text())
+    assert record["job"] == job_id and record["restarts"] == "0", record
+    assert slurm_says(one_node, job_id, f"{job_id}.{record['step']}", "999999") == ["RUNNING", "RUNNING", ""]
     subprocess.run([str(LOCAL_SLURM), "exec", str(one_node.dir), "scancel", "--signal=USR1", job_id],
                    env=one_node.env, check=True, timeout=60)
     _, out_a = finish(first, tmp_path / "a", code=75)
-    run_dir = tmp_path / "runs" / "shared"
+    for _ in range(30):  # (COMPLETING a moment after its END line)
+        ended, step = slurm_says(one_node, job_id, f"{job_id}.{record['step']}", "999999")[:2]
+        if ended != "COMPLETING":
+            break
+        time.sleep(1)
+    assert ended not in ("RUNNING", "COMPLETING") and step == "", (ended, step)
     assert (run_dir / "exit-code").read_text() == "75\n"
     assert "not training again" not in out_a and "to continue from the newest checkpoint, from " in out_a
     epochs = [m["epoch"] for m in read_metrics(run_dir)]
