@@ -456,9 +456,17 @@ def start_two_ranks_with_rank_0_held_in_import_torch(workdir: Path, master_port:
 
 
 def finish(ranks: list, timeout: float) -> list[tuple[int, str, str]]:
-    """Each rank's (exit code, stdout, stderr) once it ended, within `timeout` seconds each."""
+    """Each rank's (exit code, stdout, stderr) once it ended, within `timeout` seconds each;
+    past that, a failure that says which ranks had ended (a rank that ended while a process it
+    started still holds its output would show so) and what each wrote."""
     try:
         return [(rank.returncode, out, err) for rank in ranks for out, err in [rank.communicate(timeout=timeout)]]
+    except subprocess.TimeoutExpired:
+        ended = [rank.poll() for rank in ranks]
+        for rank in ranks:
+            rank.kill()
+        said = [rank.communicate(timeout=30) for rank in ranks]
+        pytest.fail(f"not every rank ended within {timeout:g} s; exit codes then: {ended}; their output: {said}")
     finally:
         for rank in ranks:
             rank.kill()
