@@ -59,8 +59,9 @@ def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, j
                 command: list[str] | None = None, detach: bool = False, env: dict[str, str] | None = None,
                 master_port: int = 0):
     """One process per task with the variables srun gives its tasks on one node (job_id ""
-    leaves SLURM_JOB_ID out), and `env`; MASTER_PORT `master_port`, or a free one. Returns
-    the finished results, or with detach the processes."""
+    leaves SLURM_JOB_ID out), and `env`; MASTER_PORT `master_port`, or a free one; SIGINT as
+    srun's tasks have it, whatever this process's (see press_ctrl_c). Returns the finished
+    results, or with detach the processes."""
     extra = env or {}
     host = socket.gethostname()
     port = str(master_port or free_port())
@@ -76,8 +77,8 @@ def run_as_srun(ntasks: int, args: list[str], cwd: Path, timeout: float = 300, j
             procs.append(preloaded.Run(args, cwd, env, code=code))
             continue
         cmd = command or [sys.executable, str(SCRIPT)]
-        procs.append(subprocess.Popen([*cmd, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([*cmd, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
     if detach:
         return procs
     if all(isinstance(run, preloaded.Run) for run in procs):
