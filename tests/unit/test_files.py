@@ -371,6 +371,7 @@ def test_a_silent_holder_on_another_host_is_taken_over_after_stale_after(tmp_pat
     lease.release()
 
 
+@pytest.mark.slow
 def test_a_beating_holder_on_another_host_is_alive_and_never_taken_over(tmp_path, no_slurm):
     path = tmp_path / "x.lease"
     record = elsewhere(path)

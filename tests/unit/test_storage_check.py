@@ -129,6 +129,7 @@ def _probe_as_two_nodes(rank: int, init: str, folder: str, locks_exclude: bool, 
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("locks_exclude", [True, False])
 def test_two_ranks_on_two_nodes_probe_a_folder_and_leave_nothing_behind(tmp_path, locks_exclude):
     """Two real Gloo ranks posing as nodes n1 and n2 on this host: rank 1 sees rank 0's file
