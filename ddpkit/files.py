@@ -254,7 +254,6 @@ class LeaseHolder:
     """A lease's holder as a waiter judges it: what its record says, whether it showed itself
     alive, or why it is gone (then the lease is taken over from it)."""
     names: tuple[str, ...]  # the records in the lease (one, in practice; none: not written yet)
-    raw: bytes  # the record as read
     record: dict | None  # the record, or None where it is not (yet) whole JSON
     alive: bool = False  # shown alive: its pid lives (this host), its Slurm job runs, or its record changed lately
     gone: str = ""  # why it is gone, once judged so
@@ -392,7 +391,7 @@ class Lease:
                 return holder
             if self.take_over(holder):
                 print(f"took over {self.path} from {holder}: {holder.gone}", file=sys.stderr, flush=True)
-        return holder or LeaseHolder((), b"", None)
+        return holder or LeaseHolder((), None)
 
     def place(self) -> bool:
         """Put this process's lease in place: its record written in a folder beside PATH, which
@@ -438,7 +437,7 @@ class Lease:
             record = record if isinstance(record, dict) else None
         except ValueError:
             record = None
-        holder = LeaseHolder(names, raw, record)
+        holder = LeaseHolder(names, record)
         holder.alive, holder.gone = self.judge(record, now)
         return holder
 

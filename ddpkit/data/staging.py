@@ -11,7 +11,6 @@ import errno
 import fcntl
 import hashlib
 import io
-import json
 import os
 import shutil
 import socket
@@ -36,7 +35,6 @@ STATS_FILE = ".mnist-ddp-stats.json"  # an image folder's cached statistics (ima
 LOCK_FILE = ".mnist_ddp.lock"  # a data directory's lock, on one node (data_lock)
 LOCK_LEASE = LOCK_FILE + ".lease"  # its lease, on every node, which names its holder (data_lock)
 LOCK_NOTICE = 5.0  # seconds of waiting for the lock after which a line says who holds it
-BEAT = LEASE_BEAT  # seconds between the signs of life of the lock's holder (data_lock)
 
 
 DIGITS = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight",
@@ -83,7 +81,7 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: R
     system. A directory that cannot be written is refused in one line (`lacking` says what for).
 
     The lease names its holder (host, pid, rank, Slurm job, since when), and while it holds
-    it a thread of its own rewrites that record every BEAT seconds (a beat counter): a holder
+    it a thread of its own rewrites that record every LEASE_BEAT seconds (a beat counter): a holder
     that works, however long (a download, measuring a whole training set), shows that it is
     alive. A waiter names the holder after LOCK_NOTICE seconds and waits while the beats go on;
     --dist-timeout (`rt`'s; outside a run, its default) after the last beat it saw, it ends
@@ -95,9 +93,8 @@ def data_lock(data_dir: Path, flag: str = "--data-dir", lacking: str = "", rt: R
     write are the same checked files, each renamed into place whole.)"""
     path = data_dir / LOCK_FILE
     lease = Lease(data_dir / LOCK_LEASE, stale_after=None, own_job_takes_over=True, rank=rt.rank if rt else None,
-                  beat=BEAT, on_lost=lambda: print(f"warning: another process took over {data_dir / LOCK_LEASE}, "
-                                                   "judging this one gone; this one finishes what it stages",
-                                                   file=sys.stderr, flush=True))
+                  on_lost=lambda: print(f"warning: another process took over {data_dir / LOCK_LEASE}, judging this "
+                                        "one gone; this one finishes what it stages", file=sys.stderr, flush=True))
     with contextlib.ExitStack() as held:
         try:
             make_folder(data_dir)  # (each node's first rank, and other jobs, at once)
@@ -132,7 +129,7 @@ def wait_for_lock(lock_file, lease: Lease, path: Path, rt: Runtime | None) -> No
             seen = lease.attempt() if locked else lease.look()  # (the lock's holder names itself in the lease)
             if locked and seen is None:
                 return
-            holder = lock_holder(seen.raw if seen else b"")
+            holder = lock_holder(seen.record if seen else None)
             if before is None:
                 before = hangs.doing(f"the lock {path}, held by {holder}")
             if lease.silent_for() >= limit:
@@ -142,7 +139,7 @@ def wait_for_lock(lock_file, lease: Lease, path: Path, rt: Runtime | None) -> No
                              "end that process or wait for it, and run the same command again") from None
             if not said and time.monotonic() - started >= LOCK_NOTICE:
                 print(f"{PROG}: waiting for the lock {path}, held by {holder}, as long as it shows it is alive (every "
-                      f"{BEAT:g} s), and at most {limit:g} s (--dist-timeout) after its last sign of life",
+                      f"{LEASE_BEAT:g} s), and at most {limit:g} s (--dist-timeout) after its last sign of life",
                       file=sys.stderr, flush=True)
                 said = True
             time.sleep(0.2)
@@ -151,13 +148,12 @@ def wait_for_lock(lock_file, lease: Lease, path: Path, rt: Runtime | None) -> No
             hangs.restore(before)
 
 
-def lock_holder(record: bytes) -> str:
-    """Who holds a lock, as its holder wrote in its file (`record`) (on this host, how its
+def lock_holder(record: dict | None) -> str:
+    """Who holds a lock, as its holder wrote in its lease's record (on this host, how its
     process looks from outside: stopped, in uninterruptible I/O, gone)."""
     try:
-        holder = json.loads(record)
-        pid, host, rank = int(holder["pid"]), str(holder["host"]), holder.get("rank")
-        since = str(holder["since"])
+        pid, host, rank = int(record["pid"]), str(record["host"]), record.get("rank")
+        since = str(record["since"])
     except (ValueError, KeyError, TypeError):
         return "a process that has not said who it is"
     seen = f", {hangs.process_state(pid)}" if host == socket.gethostname() else ""
