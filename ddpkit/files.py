@@ -317,7 +317,7 @@ class Lease:
     localflock) and GPFS, where fcntl's locks may exclude only the processes of one node. PATH
     is never empty where it stands, so no rename can replace a held lease.
 
-    While it holds the lease, a thread of the holder rewrites its record every `beat` seconds
+    While it holds the lease, a thread of the holder rewrites its record every LEASE_BEAT seconds
     (the beat counted), opening it by its path: if the record is gone, the lease was taken
     from this holder, judged gone while it lived (stopped, or its storage away), and
     `on_lost` is called (in that thread) so that two holders never go on together past a beat. (On NFS, a
@@ -348,9 +348,9 @@ class Lease:
     later confirms it). Release renames the lease aside the same way before removing it."""
 
     def __init__(self, path: Path, *, stale_after: float | None, own_job_takes_over: bool = False,
-                 on_lost: Callable[[], object] | None = None, rank: int | None = None, beat: float = LEASE_BEAT):
+                 on_lost: Callable[[], object] | None = None, rank: int | None = None):
         self.path, self.stale_after, self.own_job_takes_over = Path(path), stale_after, own_job_takes_over
-        self.on_lost, self.beat = on_lost, beat
+        self.on_lost, self.beat = on_lost, LEASE_BEAT  # (read here: a test may shorten it)
         self.token = secrets.token_hex(8)
         self.host, self.job = socket.gethostname(), os.environ.get("SLURM_JOB_ID") or None
         self.cluster = os.environ.get("SLURM_CLUSTER_NAME") or None
