@@ -128,14 +128,14 @@ class FileNotSeen(Exception):
 
 
 def read_written_elsewhere(path: Path, read: Callable[[Path], T], *, size: int | None = None,
-                           short_read: tuple[type[BaseException], ...] = (), seconds: float | None = None) -> T:
+                           short_read: tuple[type[BaseException], ...] = ()) -> T:
     """`read(path)`, for a file another node may have written moments ago (the checkpoint
-    rank 0 chose). ENOENT and ESTALE are retried for `seconds` (REREAD_SECONDS), with pauses
+    rank 0 chose). ENOENT and ESTALE are retried for REREAD_SECONDS (read at each call), with pauses
     from 0.1 s doubling to 5 s, and so is a short file: one smaller than `size`, the size its
     writer saw (when it told it), or one whose `read` raised an exception of `short_read`
     (torch.load of a truncated file: RuntimeError, EOFError) while its size was not yet
     `size`. Then FileNotSeen, whose line names the file, its file system and what to do."""
-    seconds = REREAD_SECONDS if seconds is None else seconds
+    seconds = REREAD_SECONDS
     deadline, pause = time.monotonic() + seconds, REREAD_PAUSES[0]
     while True:
         try:

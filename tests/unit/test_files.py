@@ -237,19 +237,22 @@ def test_a_whole_file_that_does_not_load_raises_at_once(tmp_path):
     path = tmp_path / "ckpt-00000010.pt"
     path.write_bytes(b"garbage")
 
+    loads = []
+
     def load(p):
+        loads.append(p)
         raise RuntimeError("PytorchStreamReader failed reading zip archive")
-    began = time.monotonic()
     with pytest.raises(RuntimeError):
         read_written_elsewhere(path, load, size=len(b"garbage"), short_read=(RuntimeError,))
-    assert time.monotonic() - began < 5  # (not the retries' 60 s)
+    assert loads == [path]  # (tried once: not retried for REREAD_SECONDS)
 
 
-def test_a_file_never_seen_is_named_with_its_file_system(tmp_path):
+def test_a_file_never_seen_is_named_with_its_file_system(tmp_path, monkeypatch):
     path = tmp_path / "checkpoints" / "ckpt-00000010.pt"
     mount, kind = file_system(tmp_path)
+    monkeypatch.setattr(ddpkit.files, "REREAD_SECONDS", 0.3)
     with pytest.raises(FileNotSeen) as gave_up:
-        read_written_elsewhere(path, lambda p: p.read_bytes(), seconds=0.3)
+        read_written_elsewhere(path, lambda p: p.read_bytes())
     assert str(gave_up.value) == (
         f"cannot read {path} (No such file or directory) after 0.3 s of retries: it is on {kind} at {mount}, where another "
         "node wrote it, and this node does not see it whole; check that the file system is mounted alike on every node "
@@ -380,8 +383,8 @@ def test_a_beating_holder_on_another_host_is_alive_and_never_taken_over(tmp_path
     record = elsewhere(path)
     beats = subprocess.Popen([sys.executable, "-c", BEATS_ELSEWHERE, str(record), record.read_text()])
     try:
-        lease = Lease(path, stale_after=1.0)
-        assert not took_over(lease, 3.0)  # three times its bound
+        lease = Lease(path, stale_after=2.0)  # (ten of its beats: a loaded machine may hold one back a while)
+        assert not took_over(lease, 6.0)  # three times its bound
         seen = lease.attempt()
         assert seen is not None and seen.alive and not seen.gone
     finally:
