@@ -44,7 +44,7 @@ MUTANTS := 'ddpkit.launch.x_expand_hostlist__*' 'ddpkit.job.contract.x_port_from
            'ddpkit.launch.x_write_exit_file__*' 'ddpkit.launch.x_record_exit__*' 'ddpkit.launch.x_unfixable_exit__*' \
            'ddpkit.launch.x_exit_status__*' 'ddpkit.launch.x?StopSignals?*' \
            'ddpkit.run.time_limit.*' 'ddpkit.jobs.x_continue_command__*' 'ddpkit.jobs.x_launcher_words__*' \
-           'mnist_ddp.x_epoch_shard__*' 'mnist_ddp.x_epoch_shifts__*' \
+           'mnist_ddp.x_epoch_shard__*' 'mnist_ddp.x_epoch_moves__*' \
            'sweep.x_exit_state__*' 'sweep.x_run_state__*' 'sweep.x_collect__*' 'sweep.x_summary_table__*' \
            'sweep.x_read_records__*' \
            'ddpkit.run.training_run.*' \

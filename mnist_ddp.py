@@ -93,8 +93,7 @@ except KeyboardInterrupt:  # a Ctrl-C before the stop signals are caught: nothin
     sys.exit(130)
 STOP_SIGNALS = launch.StopSignals(loading=True) if __name__ == "__main__" else None
 
-import copy  # (after the stop signals, on purpose: see above)
-import math
+import math  # (after the stop signals, on purpose: see above)
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +105,9 @@ from ddpkit import api as kit
 
 # ----------------------------------------------------------------------------- options
 
-DATASETS = ("mnist-sample", "mnist", "fashion-mnist", "folder")
+# Each data set, and whether its images may be mirrored left to right (a mirrored shoe is a
+# shoe; a mirrored 3 is no digit): a folder of your own says so with --mirror-images.
+DATASETS = {"mnist-sample": False, "mnist": False, "fashion-mnist": True, "folder": None}
 MODELS = ("cnn", "mlp", "resnet18")
 # The data order's generators are seeded with seed * 100_003 + epoch (epoch_shard,
 # epoch_shifts), which torch takes as a 64-bit integer; 10**13 leaves room to spare.
@@ -122,7 +123,8 @@ class Recipe:
     and lr by name: keep those."""
     dataset: str = kit.option("mnist-sample", "mnist-sample is the bundled 4,000/1,000-image MNIST sample (offline); folder "
                               "is your own images in --data-dir (DIR/train/<class>/*, DIR/test/<class>/*)", "data",
-                              choices=DATASETS)
+                              choices=tuple(DATASETS))
+    mirror_images: bool = kit.option(False, "--dataset folder: its images may be mirrored left to right", "data")
     model: str = kit.option("cnn", "network to train", "training", choices=MODELS)
     epochs: int = kit.option(8, "passes over the training set", "training", changeable=True)
     global_batch: int = kit.option(128, "images per optimiser step over all ranks, split evenly among them, so that 1 or 16 "
@@ -130,12 +132,14 @@ class Recipe:
     batch_size: int = kit.option(0, "images per step per rank instead (weak scaling): the global batch grows with the ranks, "
                                  "and --lr should grow with it (docs/defaults.md) (0: --global-batch / ranks)", "training")
     lr: float = kit.option(3e-3, "peak learning rate of the one-cycle schedule (AdamW)", "training", changeable=True)
+    warmup: float = kit.option(0.02, "fraction of the steps over which the learning rate rises from --lr/10", "training")
     weight_decay: float = kit.option(5e-4, "AdamW weight decay", "training", changeable=True)
     dropout: float = kit.option(0.0, "dropout before the classifier (cnn, mlp)", "training")
     label_smoothing: float = kit.option(0.1, "label smoothing of the training loss (the test loss stays plain "
                                         "cross-entropy)", "training")
     shift: float = kit.option(0.25, "fraction of the training images moved by one pixel in a random direction, drawn afresh "
                               "each epoch (0: no augmentation)", "training")
+    whiten: bool = kit.option(True, "the cnn's first filters: the whitening of the training images, fixed", "training")
     ema: float = kit.option(0.99, "decay of an exponential moving average of the weights, which evaluation and model.pt use "
                             "(0: off)", "training")
     seed: int = kit.option(0, "seed of weights and data order, the same on every rank", "training")
@@ -151,6 +155,7 @@ class Recipe:
                  f"--batch-size {self.batch_size} and --global-batch {self.global_batch} both set the batch; pass one: "
                  "--global-batch for the images per step over all ranks, --batch-size for the images per rank")
         kit.need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be a positive number, got {self.lr}")
+        kit.need(0 <= self.warmup <= 1, f"--warmup must be in [0, 1], got {self.warmup}")
         kit.need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                  f"--weight-decay must be 0 or more, got {self.weight_decay}")
         kit.need(0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}")
@@ -159,6 +164,13 @@ class Recipe:
         kit.need(0 <= self.ema < 1, f"--ema must be in [0, 1) (0: off), got {self.ema}")
         kit.need(-SEED_LIMIT <= self.seed <= SEED_LIMIT, f"--seed must be from -{SEED_LIMIT} to {SEED_LIMIT}, got {self.seed}")
         kit.need(self.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {self.max_steps}")
+        kit.need(self.dataset == "folder" or not self.mirror_images, "--mirror-images is for --dataset folder: DATASETS says "
+                 f"it of {self.dataset}")
+
+    @property
+    def mirrored(self) -> bool:
+        """Whether training mirrors the images and evaluation scores both views: DATASETS says."""
+        return self.mirror_images if self.dataset == "folder" else DATASETS[self.dataset]
 
 
 # ----------------------------------------------------------------------------- data
@@ -170,17 +182,22 @@ def read_data(recipe: Recipe, options: kit.RunOptions, data_dir: Path, job: kit.
     return kit.read_splits(recipe.dataset, data_dir, options.data_feed, job.rt, job.launch.local_world_size)
 
 
-def epoch_shifts(n: int, epoch: int, seed: int, fraction: float) -> torch.Tensor | None:
-    """[2, n] int64: each training image's (down, right) move in {-1, 0, 1} this epoch, a
-    fraction of them moved one pixel in one of the 8 directions. A function of (seed,
-    epoch, image) alone, so any world size and any resume shift an image alike."""
-    if not fraction:
+def epoch_moves(n: int, epoch: int, seed: int, shift: float, mirror: bool) -> torch.Tensor | None:
+    """[2, n] int64, each training image's move this epoch: (down, right) in {-1, 0, 1}, a
+    `shift` fraction of them moved one pixel in one of the 8 directions. With `mirror`, a
+    third row, 1 where the image is mirrored left to right: in every other epoch, half of the
+    images in the odd epochs and half in the even ones (alternating, not drawn afresh, so that
+    two epochs show each image both ways). A function of (seed, epoch, image) alone, so any
+    world size and any resume move an image alike."""
+    if not shift and not mirror:
         return None
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_777_777)
-    moved = torch.rand(n, generator=generator) < fraction
+    moved = torch.rand(n, generator=generator) < shift
     direction = torch.randint(0, 8, (n,), generator=generator)
     direction += direction >= 4  # 0..8 without 4, the middle of the 3 x 3 grid of moves
-    return torch.stack([direction // 3 - 1, direction % 3 - 1]) * moved
+    odd = torch.rand(n, generator=torch.Generator().manual_seed(seed * 100_003 + 5_555_555)) < 0.5  # (every epoch alike)
+    mirrored = [(odd ^ (epoch % 2 == 0)).long()] if mirror else []
+    return torch.stack([(direction // 3 - 1) * moved, (direction % 3 - 1) * moved, *mirrored])
 
 
 def epoch_shard(n: int, epoch: int, seed: int, *, rank: int, world_size: int, batch_size: int,
@@ -203,16 +220,19 @@ def epoch_shard(n: int, epoch: int, seed: int, *, rank: int, world_size: int, ba
 
 class SmallCNN(nn.Module):
     """A 5x5 and a 3x3 convolution, both of stride 2 (no pooling), a hidden layer of 128
-    and a linear classifier: ~13x fewer multiply-adds per image than the 2-conv CNN of the
-    PyTorch MNIST example, and more accurate in a few epochs. The first convolution is
-    narrow because the second one's cost grows with its input channels (docs/defaults.md)."""
+    and a linear classifier: ~8x fewer multiply-adds per image than the 2-conv CNN of the
+    PyTorch MNIST example, and more accurate in a few epochs. With `fixed_first` (--whiten)
+    the first convolution does not train: build_training sets its filters to the whitening
+    of the training images, and a step skips its gradient, which pays for the 32 channels it
+    gives the second convolution (docs/defaults.md)."""
 
-    def __init__(self, channels: int, height: int, width: int, classes: int, dropout: float):
+    def __init__(self, channels: int, height: int, width: int, classes: int, dropout: float, fixed_first: bool = False):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 16, 5, stride=2, padding=2), nn.ReLU(inplace=True),   # 16 x 14 x 14 for 28 x 28
-            nn.Conv2d(16, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True),         # 64 x 7 x 7
+            nn.Conv2d(channels, 32, 5, stride=2, padding=2), nn.ReLU(inplace=True),   # 32 x 14 x 14 for 28 x 28
+            nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(inplace=True),         # 64 x 7 x 7
         )
+        self.features[0].requires_grad_(not fixed_first)
         h, w = ((height - 1) // 2) // 2 + 1, ((width - 1) // 2) // 2 + 1   # each stride-2 layer: (n - 1) // 2 + 1
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * h * w, 128), nn.ReLU(inplace=True),
                                         nn.Dropout(dropout), nn.Linear(128, classes))
@@ -225,7 +245,7 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
     """The --model network for images of `shape` (C, H, W) and `classes` classes."""
     channels, height, width = shape
     if recipe.model == "cnn":
-        return SmallCNN(channels, height, width, classes, recipe.dropout)
+        return SmallCNN(channels, height, width, classes, recipe.dropout, fixed_first=recipe.whiten)
     if recipe.model == "mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(channels * height * width, 512), nn.ReLU(inplace=True),
                              nn.Dropout(recipe.dropout), nn.Linear(512, 512), nn.ReLU(inplace=True),
@@ -243,27 +263,6 @@ def build_model(recipe: Recipe, shape: tuple[int, int, int], classes: int) -> nn
                          "that returns its nn.Module (docs/adapt.md)")
 
 
-class WeightAverage:
-    """An exponential moving average of the weights (buffers copied as they are): it
-    evaluates well while the learning rate is still high. Its decay ramps up as
-    (1 + step) / (10 + step), so that the random initial weights soon fade out of it."""
-
-    def __init__(self, model: nn.Module, decay: float):
-        self.model, self.decay = copy.deepcopy(model).requires_grad_(False), decay
-        # Loading a checkpoint copies into these tensors, so the lists stay valid.
-        self.mine, self.theirs = list(self.model.parameters()), list(model.parameters())
-
-    @torch.no_grad()
-    def update(self, step: int) -> None:
-        weight = 1 - min(self.decay, (1 + step) / (10 + step))
-        torch._foreach_lerp_(self.mine, self.theirs, weight)
-
-    @torch.no_grad()
-    def copy_buffers(self, model: nn.Module) -> None:
-        for mine, theirs in zip(self.model.buffers(), model.buffers(), strict=True):
-            mine.copy_(theirs)
-
-
 @dataclass
 class Training:
     """The network and what trains it. One network: `model` is it, plain (checkpoints hold its
@@ -273,23 +272,22 @@ class Training:
     model: nn.Module
     wrapped: nn.Module
     optimizer: torch.optim.Optimizer
-    average: WeightAverage | None
-
-    @property
-    def scored(self) -> nn.Module:
-        """The weights evaluation scores: the average's, with --ema."""
-        return self.average.model if self.average else self.model
+    average: kit.WeightAverage | None
+    scored: nn.Module  # the weights evaluation scores: the average's, with --ema
 
 
 def build_training(recipe: Recipe, options: kit.RunOptions, rt: kit.Runtime, data: kit.ImageSet) -> Training:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = build_model(recipe, data.shape, len(data.classes)).to(rt.device)
+    model = build_model(recipe, data.shape, len(data.classes))
+    if recipe.whiten and recipe.model == "cnn":  # (before DDP, which sends rank 0's weights to the others)
+        kit.whiten_first_layer(model.features[0], data, recipe.seed)
+    model = model.to(rt.device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
     wrapped = torch.compile(kit.wrap_ddp(model, rt)) if options.compile else kit.wrap_ddp(model, rt)
-    average = WeightAverage(model, recipe.ema) if recipe.ema else None
+    average = kit.WeightAverage(model, recipe.ema) if recipe.ema else None
     torch.manual_seed(recipe.seed + rt.rank)  # dropout differs per rank, as its data does
-    return Training(model, wrapped, build_optimizer(recipe, model), average)
+    return Training(model, wrapped, build_optimizer(recipe, model), average, average.model if average else model)
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
@@ -300,11 +298,11 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
                              fused=True)
 
 
-def lr_at(step: int, total_steps: int, peak: float) -> float:
-    """One cycle: linear warm-up from peak/10 to peak over the first 10 % of the steps, then
-    a cosine decay to peak/1e4 at the last step (docs/defaults.md says why). A pure
-    function of the step, so a resumed run needs no scheduler state."""
-    warmup = max(1, total_steps // 10)
+def lr_at(step: int, total_steps: int, peak: float, warmup_fraction: float) -> float:
+    """One cycle: linear warm-up from peak/10 to peak over the first `warmup_fraction` of the
+    steps (--warmup), then a cosine decay to peak/1e4 at the last step (docs/defaults.md says
+    why). A pure function of the step, so a resumed run needs no scheduler state."""
+    warmup = max(1, int(total_steps * warmup_fraction))
     if step < warmup:
         return peak * (0.1 + 0.9 * step / warmup)
     progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
@@ -339,7 +337,7 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test_set: kit.ImageSet, options: kit.RunOptions, rt: kit.Runtime,
+def evaluate(model: nn.Module, test_set: kit.ImageSet, options: kit.RunOptions, rt: kit.Runtime, mirrored: bool = False,
              batch_size: int = 200) -> Evaluation:
     """Loss, accuracy (and any metric added to `sums`) and confusion matrix over the whole test set.
 
@@ -361,7 +359,8 @@ def evaluate(model: nn.Module, test_set: kit.ImageSet, options: kit.RunOptions, 
     chunks = [mine[start: start + batch_size] for start in range(0, len(mine), batch_size)]
     for idx, (images, y) in zip(chunks, test_set.batches(chunks, rt.device, options.data_workers), strict=True):
         with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=options.amp):
-            logits = model(kit.normalize(images, test_set.mean, test_set.std, options.channels_last))
+            x = kit.normalize(images, test_set.mean, test_set.std, options.channels_last)
+            logits = (model(x) + model(x.flip(3))) / 2 if mirrored else model(x)  # (both views, when training saw both)
         pred = logits.argmax(1)
         sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["accuracy"] += (pred == y).sum()
@@ -389,19 +388,18 @@ def train(run: kit.TrainingRun, job: kit.Job, training: Training, train_set: kit
         kit.sync_buffers(training.model)  # every rank scores with rank 0's BatchNorm statistics
         if average:
             average.copy_buffers(training.model)
-        return evaluate(training.scored, test_set, options, rt)
+        return evaluate(training.scored, test_set, options, rt, recipe.mirrored)
 
     while not run.done():
         epoch = run.epoch_begins()  # (a resumed epoch goes on at the step it stopped at)
         shard = epoch_shard(len(train_set), epoch, recipe.seed, rank=rt.rank, world_size=rt.world_size,
                             batch_size=run.plan.batch_size, steps=run.plan.steps_per_epoch).to(rt.device)
-        shifts = epoch_shifts(len(train_set), epoch, recipe.seed, recipe.shift)
-        shifts = shifts if shifts is None else shifts.to(rt.device)
-        for images, y in train_set.batches(run.batches_left(shard), rt.device, options.data_workers, moves=shifts):
+        moves = epoch_moves(len(train_set), epoch, recipe.seed, recipe.shift, recipe.mirrored)
+        for images, y in train_set.batches(run.batches_left(shard), rt.device, options.data_workers, moves=moves):
             if run.done():  # the --max-steps cap, in mid-epoch
                 break
             x = kit.normalize(images, train_set.mean, train_set.std, options.channels_last)
-            lr = lr_at(*run.lr_position(), recipe.lr)  # (the schedule's step, of its steps in all)
+            lr = lr_at(*run.lr_position(), recipe.lr, recipe.warmup)  # (the schedule's step, of its steps in all)
             loss = train_step(training.wrapped, training.optimizer, lr, x, y, options.amp, recipe.label_smoothing)
             if average:
                 average.update(run.progress.step)

@@ -5,7 +5,7 @@
     python benchmarks/bench.py --fashion-dir DIR    # Fashion-MNIST .gz or IDX files from DIR
     python benchmarks/bench.py --quick              # a few steps of everything (smoke test)
     python benchmarks/bench.py --gpu                # one CUDA GPU: defaults, --amp --channels-last, --compile
-    python benchmarks/bench.py --ranks              # test accuracy after 2 epochs on 1, 2, 4 and 8 ranks
+    python benchmarks/bench.py --ranks              # test accuracy by rank count: the defaults, and 2 epochs three ways
     python benchmarks/bench.py --step-times         # what the straggler figures cost a step, on 2 ranks
     python benchmarks/bench.py --compile-cache      # --compile: a later start with the run's compile cache
 
@@ -31,10 +31,12 @@ evaluation, logging and checkpoint, over the limit's time for as many steps), sc
 (2x1 over 1x2 throughput) and peak memory per rank. Every figure is a ratio or a time
 taken on this machine; the table says which machine.
 
-With --ranks it trains 2 epochs under torchrun on 1, 2, 4 and 8 ranks (one thread per rank,
-all the cores for one) three ways: the default global batch of 128 split among the ranks,
-128 images per rank (weak scaling), and that with --lr raised by the square root of the
-global batch's growth; it writes the test accuracy of each to OUT/ranks.{json,md}.
+With --ranks it trains the defaults to the end under torchrun on 1, 2 and 4 ranks (one thread
+per rank, all the cores for one), and 2 epochs on 1, 2, 4 and 8 ranks three ways: the default
+global batch of 128 split among the ranks, 128 images per rank (weak scaling), and that with
+--lr raised by the square root of the global batch's growth; it writes the test accuracy
+after the first and the last epoch of the first, and after 2 epochs of the others, to
+OUT/ranks.{json,md}.
 
 With --step-times it trains 1 epoch under torchrun on 2 ranks of one thread, the default global
 batch, with each rank's own time a step measured and agreed on (the straggler figures) and
@@ -286,7 +288,8 @@ def main() -> None:
     parser.add_argument("--reference-epochs", type=int, default=4,
                         help="most epochs of the reference loop; it stops at the first that reaches the target (default: %(default)s)")
     parser.add_argument("--gpu", action="store_true", help="mnist_ddp.py on one CUDA GPU: defaults, --amp --channels-last, --compile")
-    parser.add_argument("--ranks", action="store_true", help="test accuracy after 2 epochs on 1, 2, 4 and 8 ranks")
+    parser.add_argument("--ranks", action="store_true", help="test accuracy by rank count: the defaults on 1, 2 and 4 ranks, "
+                        "2 epochs three ways on 1, 2, 4 and 8")
     parser.add_argument("--step-times", action="store_true", help="what the straggler figures cost a step, on 2 ranks")
     parser.add_argument("--compile-cache", action="store_true",
                         help="--compile: time to the first step of a later start with the run's compile cache, against the first")
@@ -327,7 +330,7 @@ def main() -> None:
     if args.gpu:
         return gpu_benchmark(out, [*common, *quick], target, dataset, args.quick)
     if args.ranks:
-        return ranks_benchmark(out, [*common, "--epochs", "2", *quick[:2]], dataset, args.quick)
+        return ranks_benchmark(out, common, quick, dataset, args.quick)
     if args.step_times:
         return step_times_benchmark(out, [*common, "--epochs", "1", *quick[:2]], dataset, args.quick)
     if args.compile_cache:
@@ -411,13 +414,22 @@ def main() -> None:
 # ----------------------------------------------------------------------------- by rank count
 
 RANK_COUNTS = (1, 2, 4, 8)
+DEFAULTS_RANK_COUNTS = (1, 2, 4)
 LR = 3e-3  # mnist_ddp.py's default --lr
 
 
-def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> None:
-    """Test accuracy after 2 epochs by rank count: the default global batch, 128 per rank,
-    and 128 per rank with --lr x sqrt(ranks) (the rule docs/defaults.md gives)."""
+def ranks_benchmark(out: Path, data: list[str], quick_args: list[str], dataset: str, quick: bool) -> None:
+    """Test accuracy by rank count: the defaults to the end (after the first and the last
+    epoch), then after 2 epochs: the default global batch, 128 per rank, and 128 per rank with
+    --lr x sqrt(ranks) (the rule docs/defaults.md gives)."""
     cores = os.cpu_count() or 1
+    threads = lambda ranks: max(1, cores // ranks) if ranks == 1 else 1
+    to_the_end = {}
+    for ranks in DEFAULTS_RANK_COUNTS[:2] if quick else DEFAULTS_RANK_COUNTS:
+        records = run_script(out, f"defaults-ranks{ranks}", [*data, *quick_args], ranks, threads(ranks))
+        to_the_end[ranks] = {"epoch_1": records[0]["test_accuracy"], "last": records[-1]["test_accuracy"],
+                             "epochs": len(records)}
+    common = [*data, "--epochs", "2", *quick_args[:2]]
     ways = {"default (global batch 128)": lambda ranks: [],
             "--batch-size 128 (global batch 128 x ranks)": lambda ranks: ["--batch-size", "128"],
             "--batch-size 128 and --lr x sqrt(ranks)": lambda ranks: ["--batch-size", "128", "--lr",
@@ -431,12 +443,19 @@ def ranks_benchmark(out: Path, common: list[str], dataset: str, quick: bool) -> 
                 results["accuracy"][way][ranks] = results["accuracy"][next(iter(ways))][1]
                 continue
             name = f"ranks{ranks}-{len(results['accuracy']) - 1}"
-            records = run_script(out, name, [*common, *extra(ranks)], ranks, max(1, cores // ranks) if ranks == 1 else 1)
+            records = run_script(out, name, [*common, *extra(ranks)], ranks, threads(ranks))
             results["accuracy"][way][ranks] = records[-1]["test_accuracy"]
+    results["defaults"] = to_the_end
     (out / "ranks.json").write_text(json.dumps(results, indent=2))
     m = results["machine"]
-    lines = [f"Data: {dataset}{' (quick run: not representative)' if quick else ''}, 2 epochs. Machine: {m['cpu']}, "
+    epochs = next(iter(to_the_end.values()))["epochs"]
+    lines = [f"Data: {dataset}{' (quick run: not representative)' if quick else ''}. Machine: {m['cpu']}, "
              f"{m['cores']} cores, no GPU; torch {m['torch']}.", "",
+             "| the defaults, test accuracy | " + " | ".join(f"{r} rank{'s' * (r > 1)}" for r in to_the_end) + " |",
+             "|---|" + "---|" * len(to_the_end),
+             "| after epoch 1 | " + " | ".join(f"{100 * a['epoch_1']:.2f} %" for a in to_the_end.values()) + " |",
+             f"| after epoch {epochs}, the last | " + " | ".join(f"{100 * a['last']:.2f} %" for a in to_the_end.values()) + " |",
+             "",
              "| test accuracy after 2 epochs | " + " | ".join(f"{r} rank{'s' * (r > 1)}" for r in counts) + " |",
              "|---|" + "---|" * len(counts)]
     for way, by_ranks in results["accuracy"].items():

@@ -81,9 +81,10 @@ class ImageSet:
     def batches(self, index_batches: list[torch.Tensor], device: torch.device, workers: int = 0,
                 moves: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(uint8 [B, C, H, W] images, int64 [B] labels) on `device`, one batch per index tensor,
-        in order; each image moved by `moves` ([2, N] pixels down and right in {-1, 0, 1},
-        indexed by image: epoch_shifts) when given. Held in memory, a batch is one indexing
-        operation: the labels and the moves are put in batch order once, up front."""
+        in order; each image moved by `moves` when given ([2 or 3, N], indexed by image: pixels
+        down and right in {-1, 0, 1}, then 1 where it is mirrored left to right: the recipe's
+        epoch_moves). Held in memory, a batch is one indexing operation (and one mirroring):
+        the labels and the moves are put in batch order once, up front."""
         sizes = [len(idx) for idx in index_batches]
         order = torch.cat(index_batches) if index_batches else torch.zeros(0, dtype=torch.int64, device=self.labels.device)
         labels = self.labels[order.to(self.labels.device)].to(device).split(sizes)
@@ -96,10 +97,12 @@ class ImageSet:
             # batch is the window each of its images moves to.
             _, _, h, w = self.images.shape
             windows = self.padded.unfold(2, h, 1).unfold(3, w, 1)  # [N, C, 3, 3, h, w]
-            targets = (1 - moves[:, order.to(moves.device)]).to(self.images.device)  # [2, images]: window row, column
-            for idx, row, col, y in zip(order.split(sizes), targets[0].split(sizes), targets[1].split(sizes), labels,
-                                        strict=True):
-                yield windows[idx, :, row, col].to(device), y
+            targets = (1 - moves[:2, order.to(moves.device)]).to(self.images.device)  # [2, images]: window row, column
+            mirrored = moves[2:, order.to(moves.device)].to(device).view(-1).split(sizes) if len(moves) > 2 else None
+            for i, (idx, row, col, y) in enumerate(zip(order.split(sizes), targets[0].split(sizes), targets[1].split(sizes),
+                                                       labels, strict=True)):
+                batch = windows[idx, :, row, col].to(device)
+                yield (batch if mirrored is None else mirror_images(batch, mirrored[i])), y
             return
         # A generator of its own: the loader draws its workers' seeds from it, not from the
         # global one that dropout uses (a resumed run would draw once more and train differently).
@@ -573,10 +576,17 @@ def channel_constants(mean: tuple[float, ...], std: tuple[float, ...], device: t
 
 
 def shift_images(images: torch.Tensor, moves: torch.Tensor | None) -> torch.Tensor:
-    """uint8 [B, C, H, W] moved by [2, B] pixels (down, right) in {-1, 0, 1}, the uncovered edge black."""
+    """uint8 [B, C, H, W] moved by [2 or 3, B] moves: pixels (down, right) in {-1, 0, 1}, the
+    uncovered edge black, then mirrored left to right where the third row is 1."""
     if moves is None:
         return images
     b, _, h, w = images.shape
     windows = F.pad(images, (1, 1, 1, 1)).unfold(2, h, 1).unfold(3, w, 1)  # [B, C, 3, 3, h, w], views of the padded batch
     # The two index tensors around the slice put the batch dimension first: [B, C, h, w].
-    return windows[torch.arange(b, device=images.device), :, 1 - moves[0], 1 - moves[1]]
+    shifted = windows[torch.arange(b, device=images.device), :, 1 - moves[0], 1 - moves[1]]
+    return mirror_images(shifted, moves[2]) if len(moves) > 2 else shifted
+
+
+def mirror_images(images: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] images, those where `mirrored` ([B], 0 or 1) is 1 mirrored left to right."""
+    return torch.where(mirrored.view(-1, 1, 1, 1).bool(), images.flip(3), images)

@@ -5,6 +5,7 @@
   recovery.py      the ranks' per-step agreement; lost peers and storage problems told apart
   stragglers.py    each rank's own time a step, and rank 0's judgement of which rank is slow
   profiling.py     --profile and RUN_DIR/profile-now: torch.profiler traces of every rank, the top operators
+  weight_average.py --ema: the moving average of the weights that evaluation scores
   compile_cache.py --compile: torch's compile cache in the run's directory, saved once, loaded at every later start
   time_limit.py    the job's end: the stop --stop-before it, whether the run fits (standard library)
   rundir.py        the run's directory, held for as long as the run lives

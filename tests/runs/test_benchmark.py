@@ -59,7 +59,8 @@ def test_gpu_mode_says_when_there_is_no_gpu(tmp_path):
 
 @pytest.mark.slow
 def test_ranks_quick_run(tmp_path):
-    """--ranks --quick: the table by rank count, on 1 and 2 ranks, each way."""
+    """--ranks --quick: the tables by rank count, on 1 and 2 ranks: the defaults after the first and
+    the last epoch, and each way after 2 epochs."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--ranks", "--quick", "--out",
                              str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -68,7 +69,10 @@ def test_ranks_quick_run(tmp_path):
                                        "--batch-size 128 and --lr x sqrt(ranks)"}
     for by_ranks in report["accuracy"].values():
         assert set(by_ranks) == {"1", "2"} and all(0 < accuracy <= 1 for accuracy in by_ranks.values())
+    assert set(report["defaults"]) == {"1", "2"}
+    assert all(0 < run["epoch_1"] <= 1 and 0 < run["last"] <= 1 for run in report["defaults"].values())
     table = (tmp_path / "out" / "ranks.md").read_text()
+    assert "| the defaults, test accuracy | 1 rank | 2 ranks |" in table and "| after epoch 1 |" in table
     assert "| test accuracy after 2 epochs | 1 rank | 2 ranks |" in table
 
 

@@ -10,9 +10,12 @@ evaluate, parameter groups, build_training): tests/unit/test_recipe.py.
     python -m pytest tests/runs/test_training.py
 """
 
+import gzip
 import re
 import socket
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -280,7 +283,8 @@ def test_the_weight_average_holds_almost_none_of_the_random_initial_weights_at_t
     recipe = mnist_ddp.Recipe()
     torch.manual_seed(recipe.seed)  # as build_training makes the start, on every rank
     start = mnist_ddp.build_model(recipe, tuple(saved[0]["shape"]), len(saved[0]["classes"]))
-    names = [name for name, _ in start.named_parameters()]  # (the average copies the buffers as they are)
+    # (the average copies the buffers as they are; the fixed first filters are the same in all of them)
+    names = [name for name, parameter in start.named_parameters() if parameter.requires_grad]
 
     def flat(weights: dict) -> torch.Tensor:
         return torch.cat([weights[name].double().flatten() for name in names])
@@ -291,3 +295,37 @@ def test_the_weight_average_holds_almost_none_of_the_random_initial_weights_at_t
     shares = torch.linalg.lstsq(trajectory, target[:, None]).solution[:, 0]
     assert float((trajectory @ shares - target).norm()) <= 1e-5 * float(target.norm()), "the average is not of these weights"
     assert 0 <= float(shares[0]) < 0.05, f"the first evaluation's average holds {float(shares[0]):.1%} of the random start"
+
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist, which make test installs
+
+
+def write_fashion_slice(root: Path, train: int, test: int) -> Path:
+    """The first `train` training and `test` test images of Fashion-MNIST, as an image folder of PNGs."""
+    def idx(name: str) -> np.ndarray:
+        raw = gzip.open(FASHION / f"{name}.gz").read()
+        dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(raw[3])]
+        return np.frombuffer(raw, np.uint8, offset=4 + 4 * raw[3]).reshape(dims)
+
+    for part, stem, count in (("train", "train", train), ("test", "t10k", test)):
+        for i, (image, label) in enumerate(zip(idx(f"{stem}-images-idx3-ubyte")[:count],
+                                               idx(f"{stem}-labels-idx1-ubyte")[:count], strict=True)):
+            folder = root / part / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{i:05d}.png")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FASHION.is_dir(), reason=f"needs Fashion-MNIST in {FASHION} (apt-get install dataset-fashion-mnist)")
+def test_the_first_epoch_on_a_fixed_slice_of_fashion_mnist_reaches_the_recipes_floor(tmp_path):
+    """The defaults on a fixed slice of Fashion-MNIST (its first 6,000 training and 1,000 test
+    images, as a folder of your own with --mirror-images, which the data set's entry says of
+    it): at least 82 % after the first epoch and 89 % after the last. The recipe reached 83.2 %
+    and 90.0 % there when it was chosen (the previous one: 77.8 % and 88.4 %): a floor, not a
+    time, against a change that slows the first epoch's learning (docs/defaults.md)."""
+    folder = write_fashion_slice(tmp_path / "slice", train=6000, test=1000)
+    result = run_single([*on_folder(folder), "--mirror-images", "--run-dir", "run", "--image-every", "0"], cwd=tmp_path)
+    assert_ok(result)
+    accuracy = [m["test_accuracy"] for m in read_metrics(tmp_path / "run")]
+    assert len(accuracy) == 8 and accuracy[0] >= 0.82 and accuracy[-1] >= 0.89, accuracy

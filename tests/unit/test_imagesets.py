@@ -127,13 +127,20 @@ def test_streamed_batches_are_the_in_memory_batches(folder, workers):
         assert torch.equal(from_memory, from_files)
         assert torch.equal(from_memory, held.images[idx])
         assert torch.equal(labels, held.labels[idx]) and torch.equal(streamed_labels, labels)
-    # Moved: the same pixels either way, each image's move its own (moves are indexed by image).
-    moves = torch.randint(-1, 2, (2, len(held)), generator=torch.Generator().manual_seed(3))
-    for idx, (from_memory, _), (from_files, _) in zip(
-            batches, held.batches(batches, CPU, moves=moves), streamed.batches(batches, CPU, workers, moves=moves),
-            strict=True):
-        assert torch.equal(from_memory, from_files)
-        assert torch.equal(from_memory, shift_images(held.images[idx], moves[:, idx]))
+    # Moved, and moved and mirrored: the same pixels either way, each image's move its own
+    # (moves are indexed by image).
+    shifts = torch.randint(-1, 2, (2, len(held)), generator=torch.Generator().manual_seed(3))
+    mirrored = torch.tensor([[1, 0] * (len(held) // 2)])
+    for moves in (shifts, torch.cat([shifts, mirrored])):
+        for idx, (from_memory, _), (from_files, _) in zip(
+                batches, held.batches(batches, CPU, moves=moves), streamed.batches(batches, CPU, workers, moves=moves),
+                strict=True):
+            assert torch.equal(from_memory, from_files)
+            assert torch.equal(from_memory, shift_images(held.images[idx], moves[:, idx]))
+    # Mirrored: the shifted image's columns in reverse order, where the third row says so.
+    mirrored_batch = shift_images(held.images, torch.cat([shifts, mirrored]))
+    assert torch.equal(mirrored_batch[0], shift_images(held.images, shifts)[0].flip(2))
+    assert torch.equal(mirrored_batch[1], shift_images(held.images, shifts)[1])
 
 
 def test_pixels_are_the_files_pixels_in_channel_first_order(tmp_path):

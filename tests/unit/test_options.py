@@ -45,7 +45,7 @@ def test_the_groups_of_the_command_line_in_order():
     groups = groups_and_flags(build_parser(Recipe))
     assert list(groups) == ["data", "training", "distributed", "speed", "output", "checkpoints and preemption"]
     # The recipe's options come first in their group, then RunOptions' own.
-    assert groups["data"] == ["--dataset", "--data-dir", "--node-data-dir", "--data-mirror", "--download-only",
+    assert groups["data"] == ["--dataset", "--mirror-images", "--data-dir", "--node-data-dir", "--data-mirror", "--download-only",
                               "--data-feed", "--data-workers"]
     assert groups["training"][:2] == ["--model", "--epochs"]
     assert {"--global-batch", "--batch-size", "--lr", "--weight-decay", "--seed", "--max-steps"} <= set(groups["training"])

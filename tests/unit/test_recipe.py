@@ -15,26 +15,27 @@ import torch
 
 import mnist_ddp
 from ddpkit.data import imagesets
+from ddpkit.data.whitening import whiten_first_layer
 from ddpkit.distributed import Runtime
 from ddpkit.options import RunOptions
 from ddpkit.run.checkpoints import load_optimizer
 
 
 def global_batches(n: int, epoch: int, world_size: int, batch_size: int) -> list[list[tuple[int, int, int]]]:
-    """Each step's images over all ranks, each with its (down, right) shift, as the ranks take them."""
+    """Each step's images over all ranks, each with its (down, right, mirrored) move, as the ranks take them."""
     steps = -(-n // (world_size * batch_size))  # (the run's epoch: every image, the last global batch filled up)
     shards = [mnist_ddp.epoch_shard(n, epoch, 5, rank=rank, world_size=world_size, batch_size=batch_size, steps=steps)
               for rank in range(world_size)]
     assert len({len(shard) for shard in shards}) == 1  # every rank runs the same number of steps
-    shifts = mnist_ddp.epoch_shifts(n, epoch=epoch, seed=5, fraction=0.5)
+    shifts = mnist_ddp.epoch_moves(n, epoch=epoch, seed=5, shift=0.5, mirror=True)
     return [sorted((i, *shifts[:, i].tolist()) for shard in shards for i in shard[k * batch_size: (k + 1) * batch_size].tolist())
             for k in range(len(shards[0]) // batch_size)]
 
 
 @pytest.mark.parametrize("n", [4000, 1000, 1003, 24, 7])
-def test_every_global_batch_holds_the_same_images_with_the_same_shifts_on_1_2_3_4_or_8_ranks(n):
+def test_every_global_batch_holds_the_same_images_with_the_same_moves_on_1_2_3_4_or_8_ranks(n):
     """A global batch of 24 on 1, 2, 3, 4 or 8 ranks: step k trains the same images, each
-    shifted alike, so a run saved on N ranks goes on in mid-epoch on M. Every image comes
+    shifted and mirrored alike, so a run saved on N ranks goes on in mid-epoch on M. Every image comes
     once in an epoch, the last batch filled up with the epoch's first ones; each epoch's
     order differs."""
     for epoch in (1, 2):
@@ -51,26 +52,27 @@ def test_the_order_of_a_seed_stays_the_same_from_one_version_to_the_next():
     """A run resumed in the middle of an epoch goes on with that epoch's order: if the code
     that draws it changed between the save and the resume, some images would be trained
     twice in that epoch and others not at all. So the order of a seed is pinned here, and
-    the shifts of the augmentation with it."""
+    the moves of the augmentation with it (the shifts as they were before the mirroring came)."""
     assert [mnist_ddp.epoch_shard(10, 1, 0, rank=rank, world_size=2, batch_size=5, steps=1).tolist()
             for rank in (0, 1)] == [[5, 1, 0, 9, 7], [6, 2, 8, 3, 4]]
     assert mnist_ddp.epoch_shard(10, 2, 3, rank=0, world_size=1, batch_size=10, steps=1).tolist() == [
         0, 7, 1, 6, 3, 8, 9, 4, 2, 5]
-    assert mnist_ddp.epoch_shifts(12, epoch=3, seed=2, fraction=0.5).tolist() == [
-        [-1, -1, 0, 1, 0, -1, 1, 0, 1, 1, 0, 0], [1, -1, -1, 0, 0, -1, 1, -1, 0, 1, 0, 0]]
+    assert mnist_ddp.epoch_moves(12, epoch=3, seed=2, shift=0.5, mirror=True).tolist() == [
+        [-1, -1, 0, 1, 0, -1, 1, 0, 1, 1, 0, 0], [1, -1, -1, 0, 0, -1, 1, -1, 0, 1, 0, 0],
+        [0, 1, 0, 1, 1, 1, 0, 1, 1, 0, 1, 0]]
 
 
 def test_shift_augmentation_moves_images_by_one_pixel():
-    moves = mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25)
+    moves = mnist_ddp.epoch_moves(10_000, epoch=3, seed=0, shift=0.25, mirror=False)[:2]
     moved = moves.abs().sum(0) > 0
     assert moves.shape == (2, 10_000) and moves.abs().max() == 1
     assert 0.22 < moved.float().mean() < 0.28
     # The same moves whenever they are drawn (any rank, any resume), new ones each epoch and seed.
-    assert torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=3, seed=0, fraction=0.25))
-    assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=4, seed=0, fraction=0.25))
-    assert not torch.equal(moves, mnist_ddp.epoch_shifts(10_000, epoch=3, seed=1, fraction=0.25))
-    assert mnist_ddp.epoch_shifts(10, epoch=0, seed=0, fraction=0.0) is None
-    every = mnist_ddp.epoch_shifts(1000, epoch=3, seed=0, fraction=1.0)  # each image moves, in one of 8 directions
+    assert torch.equal(moves, mnist_ddp.epoch_moves(10_000, epoch=3, seed=0, shift=0.25, mirror=False)[:2])
+    assert not torch.equal(moves, mnist_ddp.epoch_moves(10_000, epoch=4, seed=0, shift=0.25, mirror=False)[:2])
+    assert not torch.equal(moves, mnist_ddp.epoch_moves(10_000, epoch=3, seed=1, shift=0.25, mirror=False)[:2])
+    assert mnist_ddp.epoch_moves(10, epoch=0, seed=0, shift=0.0, mirror=False) is None
+    every = mnist_ddp.epoch_moves(1000, epoch=3, seed=0, shift=1.0, mirror=False)[:2]  # each moves, in one of 8 directions
     assert (every.abs().sum(0) > 0).all() and len(set(map(tuple, every.T.tolist()))) == 8
     images = torch.arange(1, 28 * 28 + 1, dtype=torch.int32).reshape(1, 28, 28).repeat(9, 1, 1).to(torch.uint8)
     grid = torch.tensor([[d // 3 - 1 for d in range(9)], [d % 3 - 1 for d in range(9)]])
@@ -82,6 +84,29 @@ def test_shift_augmentation_moves_images_by_one_pixel():
         if right:
             expected[:, 0 if right > 0 else -1] = 0
         assert torch.equal(shifted[i], expected), (down, right)
+
+
+def test_mirroring_alternates_each_image_every_other_epoch_half_of_them_at_a_time():
+    """With mirror, each image is mirrored in one of any two epochs in a row (alternating, not
+    drawn), half of the images in each; the shifts are those drawn without it. Without mirror
+    there is no third row, and no shift and no mirror is no move at all."""
+    by_epoch = [mnist_ddp.epoch_moves(10_000, epoch=epoch, seed=4, shift=0.25, mirror=True) for epoch in (1, 2, 3, 4)]
+    mirrored = torch.stack([moves[2] for moves in by_epoch])
+    assert set(mirrored.unique().tolist()) == {0, 1}
+    assert (mirrored[:-1] + mirrored[1:] == 1).all()  # each epoch the other way from the one before
+    assert 0.47 < mirrored[0].float().mean() < 0.53
+    for epoch, moves in zip((1, 2, 3, 4), by_epoch, strict=True):
+        assert torch.equal(moves[:2], mnist_ddp.epoch_moves(10_000, epoch=epoch, seed=4, shift=0.25, mirror=False)[:2])
+    assert len(mnist_ddp.epoch_moves(100, epoch=1, seed=4, shift=0.25, mirror=False)) == 2
+    assert mnist_ddp.epoch_moves(100, epoch=1, seed=4, shift=0.0, mirror=True)[:2].eq(0).all()
+    assert not torch.equal(mirrored[0], mnist_ddp.epoch_moves(10_000, epoch=1, seed=5, shift=0.25, mirror=True)[2])
+
+
+def test_each_data_set_says_whether_its_images_may_be_mirrored_and_a_folder_takes_it_from_mirror():
+    assert [mnist_ddp.Recipe(dataset=name).mirrored for name in ("mnist-sample", "mnist", "fashion-mnist")] == [
+        False, False, True]
+    assert not mnist_ddp.Recipe(dataset="folder").mirrored  # (--mirror-images is off by default)
+    assert mnist_ddp.Recipe(dataset="folder", mirror_images=True).mirrored
 
 
 class PredictsFromPixel(torch.nn.Module):
@@ -142,22 +167,25 @@ def test_parameter_groups_keep_their_own_lr_and_weight_decay_through_the_schedul
 
 
 def test_build_training_makes_the_model_its_average_and_adamw_as_the_recipe_says():
-    """One process: the model of the seed (the same on every rank), unwrapped unless compiled,
+    """One process: the model of the seed (the same on every rank), its first filters the
+    whitening of the training images (fixed: they take no gradient), unwrapped unless compiled,
     its weight average at --ema, AdamW at --lr and --weight-decay with beta2 0.99, and
     dropout's random numbers seeded by seed + rank after it."""
     recipe = mnist_ddp.Recipe(lr=2e-3, weight_decay=1e-4, ema=0.9, seed=3)
-    split = imagesets.ImageSet(torch.tensor([0, 1, 2]), torch.zeros(3, 1, 12, 12, dtype=torch.uint8), None, ("a", "b", "c"),
-                               (0.0,), (1.0,))
+    pixels = torch.randint(0, 256, (3, 1, 12, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    split = imagesets.ImageSet(torch.tensor([0, 1, 2]), pixels, None, ("a", "b", "c"), (0.5,), (0.25,))
     rt = Runtime(0, 0, 1, torch.device("cpu"), "none", True)
     training = mnist_ddp.build_training(recipe, RunOptions(), rt, split)
     wrapped, raw_model, optimizer, average = training.wrapped, training.model, training.optimizer, training.average
     after = torch.rand(3)
     torch.manual_seed(3)
     expected = mnist_ddp.build_model(recipe, (1, 12, 12), 3)
+    whiten_first_layer(expected.features[0], split, 3)
     torch.manual_seed(3 + 0)
     assert torch.equal(after, torch.rand(3))
     assert wrapped is raw_model and training.scored is average.model and raw_model.state_dict().keys() == expected.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(raw_model.state_dict().values(), expected.state_dict().values(), strict=True))
+    assert not any(p.requires_grad for p in raw_model.features[0].parameters())
     assert average.decay == 0.9 and average.model is not raw_model
     assert all(torch.equal(a, b) for a, b in zip(average.model.parameters(), raw_model.parameters(), strict=True))
     assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"]
@@ -167,5 +195,5 @@ def test_build_training_makes_the_model_its_average_and_adamw_as_the_recipe_says
                                      split)
     compiled, raw = other.wrapped, other.model
     assert other.average is None and other.scored is raw and compiled is not raw and compiled._orig_mod is raw
-    assert raw.features[2].weight.is_contiguous(memory_format=torch.channels_last)  # (64 x 16 x 3 x 3)
+    assert raw.features[2].weight.is_contiguous(memory_format=torch.channels_last)  # (64 x 32 x 3 x 3)
     assert not raw_model.features[2].weight.is_contiguous(memory_format=torch.channels_last)

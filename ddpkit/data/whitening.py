@@ -1,0 +1,48 @@
+"""A first convolution that starts as the whitening of the training images' patches.
+
+Each filter is a principal direction of the patches the convolution sees (the eigenvectors of
+their covariance), scaled by one over its standard deviation, and its negative: the layer's
+outputs start uncorrelated and of unit variance, so the first steps train the layers above it
+instead of discovering edges. On full Fashion-MNIST it lifts the accuracy after the first
+epoch by about 1.5 points (docs/defaults.md). The filters are a function of the seed and the
+training images alone, so every rank (and any world size) computes the same ones.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddpkit.data.imagesets import ImageSet, normalize
+
+SAMPLE = 2_000   # training images whose patches are measured (a seeded choice)
+CHUNK = 250      # images unfolded at a time, so a large image's patches never fill the memory
+EPSILON = 1e-2   # added to each variance: directions of almost no variance are not blown up into noise
+
+
+@torch.no_grad()
+def whiten_first_layer(conv: nn.Conv2d, train_set: ImageSet, seed: int) -> None:
+    """Set `conv`'s weights to the whitening filters of train_set's patches (its kernel, stride
+    and padding), half of them the principal directions with the most variance and half their
+    negatives, and its bias to 0. Whether the layer trains from there is the model's to say (the
+    recipe's SmallCNN keeps it fixed)."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + 424_242)
+    chosen = torch.randperm(len(train_set), generator=generator)[:SAMPLE]
+    size = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+    total, outer, count = torch.zeros(size, dtype=torch.float64), torch.zeros(size, size, dtype=torch.float64), 0
+    for part in chosen.split(CHUNK):
+        images = normalize(train_set.pictures(part), train_set.mean, train_set.std)
+        patches = F.unfold(images, conv.kernel_size, padding=conv.padding, stride=conv.stride)  # [B, size, L]
+        patches = patches.transpose(1, 2).reshape(-1, size).double()
+        total += patches.sum(0)
+        outer += patches.T @ patches
+        count += len(patches)
+    mean = total / count
+    variances, directions = torch.linalg.eigh(outer / count - torch.outer(mean, mean))  # ascending variances
+    half = (conv.out_channels + 1) // 2
+    if half > size:
+        raise ValueError(f"a first layer of {conv.out_channels} filters has more than twice the {size} numbers of its "
+                         "patches: it cannot be whitened")
+    top = (directions[:, -half:] / torch.sqrt(variances[-half:].clamp(min=0) + EPSILON)).T.flip(0)
+    filters = torch.cat([top, -top])[:conv.out_channels]
+    conv.weight.copy_(filters.view_as(conv.weight).to(conv.weight))
+    conv.bias.zero_()
