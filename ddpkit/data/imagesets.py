@@ -106,6 +106,7 @@ class ImageSet:
             return
         # A generator of its own: the loader draws its workers' seeds from it, not from the
         # global one that dropout uses (a resumed run would draw once more and train differently).
+        moves = None if moves is None else moves.to(device)  # (once: indexing CPU moves by device indices would wait on each batch)
         loader = DataLoader(self.reader, batch_sampler=[idx.tolist() for idx in index_batches], num_workers=workers,
                             pin_memory=device.type == "cuda", generator=torch.Generator())
         try:

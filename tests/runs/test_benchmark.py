@@ -1,8 +1,8 @@
 """The benchmark's one command runs end to end (its --quick mode: a few steps of every
 part) and writes its JSON and Markdown table with every figure present; so does its table
 by rank count (--ranks --quick, on 1 and 2 ranks), its cost of the straggler figures
-(--step-times --quick), and world_sizes.py's closeness of runs that go on on another number
-of ranks (one epoch). It asserts no
+(--step-times --quick), world_sizes.py's closeness of runs that go on on another number
+of ranks (one epoch), and recipe_search.py's held-out score and step timings. It asserts no
 timings: those are measured by the full run and written in the README.
 
     python -m pytest tests/runs/test_benchmark.py
@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,21 @@ def test_world_sizes_compares_each_continued_run_with_the_run_that_kept_its_rank
         assert re.search(rf"^  {before} then {after} ranks: \S+ at step 12, \S+ at step 32; test accuracy \[\S+\] against ",
                          result.stdout, re.M), result.stdout
     assert "for scale, runs started on 1 and on 2 ranks at step 8: " in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="needs Debian's dataset-fashion-mnist")
+def test_the_recipe_search_scores_a_variant_on_the_held_out_images_and_times_the_first_layers(tmp_path):
+    """benchmarks/recipe_search.py, which chose the defaults (docs/defaults.md): one epoch of the
+    defaults scored on the held-out images, its line and its JSON record; --speed's four models."""
+    script = ROOT / "benchmarks" / "recipe_search.py"
+    result = subprocess.run([sys.executable, str(script), "--epochs", "1", "--json", str(tmp_path / "runs.jsonl")],
+                            env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.fullmatch(r"epoch 1: \d+\.\d\d % \(held out\)\n", result.stdout)
+    record = json.loads((tmp_path / "runs.jsonl").read_text())
+    assert record["first_layer"] == "whitened-fixed" and record["mirror"] and 80 < record["accuracy"][0] < 100
+    speed = subprocess.run([sys.executable, str(script), "--speed"], env=clean_env(), capture_output=True, text=True,
+                           timeout=600)
+    assert speed.returncode == 0, speed.stderr[-3000:]
+    assert len(re.findall(r"images/s, \d+\.\d\dx$", speed.stdout, re.M)) == 4
