@@ -13,10 +13,11 @@ epoch_moves, lr_at, train_step and evaluate; the kit's whitening, weight average
 batches), the held-out images being the last 10,000 of a fixed shuffle of the 60,000
 training images, and prints the held-out accuracy after each epoch. A variant is options:
 --first-layer (whitened and fixed, the default; whitened and trained; or trained from a
-random start), --first-channels, --warmup, --lr, --no-mirror, --seed, --epochs. docs/defaults.md
-gives the table it made. --speed times the training step (forward, backward, fused AdamW)
-of the model with each first layer on one batch in memory, alternately, five rounds, and
-prints the median images/s of each against the previous model's.
+random start), --first-channels, --warmup, --lr, --no-mirror, --seed, --epochs
+(--train-images N trains on N of the images only, a quick check). docs/defaults.md gives
+the table it made. --speed times the training step (forward, backward, fused AdamW) of the
+model with each first layer on one batch in memory, alternately (5 rounds of 40 steps:
+--rounds, --steps), and prints the median images/s of each against the previous model's.
 """
 
 import argparse
@@ -52,18 +53,20 @@ def read_idx(path: Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw[4 + 4 * raw[3]:]), dtype=torch.uint8).view(*dims)
 
 
-def image_sets(fashion: Path, test: bool) -> tuple[ImageSet, ImageSet]:
+def image_sets(fashion: Path, test: bool, train_images: int = 0) -> tuple[ImageSet, ImageSet]:
     """(train, scored): the 50,000 / 10,000 held-out split of the training images, or with
-    `test` all 60,000 and the test set. Normalised as mnist_ddp.py normalises Fashion-MNIST."""
+    `test` all 60,000 and the test set; with `train_images`, the first that many of the
+    training part. Normalised as mnist_ddp.py normalises Fashion-MNIST."""
     images, labels = read_idx(fashion / "train-images-idx3-ubyte.gz").unsqueeze(1), read_idx(fashion / "train-labels-idx1-ubyte.gz")
     classes, stats = tuple(str(c) for c in range(10)), ((0.2860,), (0.3530,))
     if test:
         test_images = read_idx(fashion / "t10k-images-idx3-ubyte.gz").unsqueeze(1)
         test_labels = read_idx(fashion / "t10k-labels-idx1-ubyte.gz")
-        return (ImageSet(labels.long(), images, None, classes, *stats),
+        kept = slice(train_images or None)
+        return (ImageSet(labels[kept].long(), images[kept], None, classes, *stats),
                 ImageSet(test_labels.long(), test_images, None, classes, *stats))
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    kept, held = order[:-HELD_OUT], order[-HELD_OUT:]
+    kept, held = order[:-HELD_OUT][:train_images or None], order[-HELD_OUT:]
     return (ImageSet(labels[kept].long(), images[kept], None, classes, *stats),
             ImageSet(labels[held].long(), images[held], None, classes, *stats))
 
@@ -81,7 +84,7 @@ def build(first_layer: str, channels: int, train_set: ImageSet | None, seed: int
 
 
 def train(args) -> list[float]:
-    train_set, scored_set = image_sets(Path(args.fashion_dir), args.test)
+    train_set, scored_set = image_sets(Path(args.fashion_dir), args.test, args.train_images)
     recipe = mnist_ddp.Recipe(dataset="fashion-mnist", lr=args.lr, warmup=args.warmup, seed=args.seed, epochs=args.epochs)
     model = build(args.first_layer, args.first_channels, train_set, args.seed)
     average = WeightAverage(model, recipe.ema)
@@ -105,7 +108,7 @@ def train(args) -> list[float]:
     return accuracy
 
 
-def speed() -> None:
+def speed(rounds: int, steps: int) -> None:
     """Median images/s of a training step by first layer (32 filters), against the previous model (16, trained)."""
     variants = {"previous: 16 filters, trained": ("trained", 16), "32, whitened and fixed (the default)": ("whitened-fixed", 32),
                 "32, whitened and trained": ("whitened-trained", 32), "32, trained from a random start": ("trained", 32)}
@@ -113,15 +116,15 @@ def speed() -> None:
     optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], fused=True) for name, m in models.items()}
     x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
     rates = {name: [] for name in models}
-    for _ in range(5):
+    for _ in range(rounds):
         for name, model in models.items():
             start = time.perf_counter()
-            for _ in range(40):
+            for _ in range(steps):
                 loss = F.cross_entropy(model(x), y)
                 optimizers[name].zero_grad()
                 loss.backward()
                 optimizers[name].step()
-            rates[name].append(40 * 128 / (time.perf_counter() - start))
+            rates[name].append(steps * 128 / (time.perf_counter() - start))
     base = statistics.median(next(iter(rates.values())))
     for name, values in rates.items():
         print(f"{name}: {statistics.median(values):.0f} images/s, {statistics.median(values) / base:.2f}x", flush=True)
@@ -140,14 +143,19 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=mnist_ddp.Recipe.epochs, help="default: %(default)s")
     parser.add_argument("--test", action="store_true", help="train on all 60,000 images and score on the test set")
     parser.add_argument("--speed", action="store_true", help="images/s of a training step, by first layer")
+    parser.add_argument("--rounds", type=int, default=5, help="--speed: rounds of each model (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=40, help="--speed: steps a round (default: %(default)s)")
+    parser.add_argument("--train-images", type=int, default=0,
+                        help="train on the first N images of the training part only, for a quick check (0: all)")
     parser.add_argument("--json", help="append the run's variant and accuracies to this file")
     args = parser.parse_args()
     if args.speed:
-        return speed()
+        return speed(args.rounds, args.steps)
     accuracy = train(args)
     if args.json:
         with open(args.json, "a") as out:
-            out.write(json.dumps({**{k: v for k, v in vars(args).items() if k not in ("json", "speed")}, "accuracy": accuracy}) + "\n")
+            kept = {k: v for k, v in vars(args).items() if k not in ("json", "speed", "rounds", "steps")}
+            out.write(json.dumps({**kept, "accuracy": accuracy}) + "\n")
 
 
 if __name__ == "__main__":

@@ -92,15 +92,17 @@ def test_world_sizes_compares_each_continued_run_with_the_run_that_kept_its_rank
 @pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="needs Debian's dataset-fashion-mnist")
 def test_the_recipe_search_scores_a_variant_on_the_held_out_images_and_times_the_first_layers(tmp_path):
     """benchmarks/recipe_search.py, which chose the defaults (docs/defaults.md): one epoch of the
-    defaults scored on the held-out images, its line and its JSON record; --speed's four models."""
+    defaults on 5,000 of the training images, scored on the held-out ones, its line and its
+    JSON record; --speed's four models, one round of 2 steps."""
     script = ROOT / "benchmarks" / "recipe_search.py"
-    result = subprocess.run([sys.executable, str(script), "--epochs", "1", "--json", str(tmp_path / "runs.jsonl")],
+    result = subprocess.run([sys.executable, str(script), "--epochs", "1", "--train-images", "5000", "--json",
+                             str(tmp_path / "runs.jsonl")],
                             env=clean_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.fullmatch(r"epoch 1: \d+\.\d\d % \(held out\)\n", result.stdout)
     record = json.loads((tmp_path / "runs.jsonl").read_text())
-    assert record["first_layer"] == "whitened-fixed" and record["mirror"] and 80 < record["accuracy"][0] < 100
-    speed = subprocess.run([sys.executable, str(script), "--speed"], env=clean_env(), capture_output=True, text=True,
-                           timeout=600)
+    assert record["first_layer"] == "whitened-fixed" and record["mirror"] and 60 < record["accuracy"][0] < 100
+    speed = subprocess.run([sys.executable, str(script), "--speed", "--rounds", "1", "--steps", "2"], env=clean_env(),
+                           capture_output=True, text=True, timeout=600)
     assert speed.returncode == 0, speed.stderr[-3000:]
     assert len(re.findall(r"images/s, \d+\.\d\dx$", speed.stdout, re.M)) == 4

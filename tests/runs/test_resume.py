@@ -296,3 +296,21 @@ def test_diverging_loss_stops_before_bad_weights_are_saved(workdir):
     for path in saved:
         model = read_checkpoint(path, "cpu")["model"]
         assert all(torch.isfinite(v).all() for v in model.values()), f"{path} holds non-finite weights"
+
+
+@pytest.mark.slow
+def test_a_mirrored_run_resumes_bit_identical_in_the_middle_of_an_epoch(tiny_folder, tmp_path):
+    """--mirror-images on a folder: each image mirrored in every other epoch and each test
+    image scored with its mirror. 2 ranks stopped by SIGUSR1 in the middle of the second
+    epoch (mirrored the other way from the first) and resumed end where the run that was
+    never stopped ends, bit for bit."""
+    args = [*on_folder(tiny_folder), "--mirror-images", "--epochs", "3", "--batch-size", "4", "--ckpt-every", "1"]
+    for result in run_as_srun(2, [*args, "--run-dir", "whole"], cwd=tmp_path, job_id=""):
+        assert_ok(result)
+    for result in run_as_srun(2, [*args, "--run-dir", "run", "--interrupt-at", "4:USR1"], cwd=tmp_path, job_id=""):
+        assert result.returncode == EXIT_STOPPED, result.stderr[-2000:]
+    second = run_as_srun(2, [*args, "--run-dir", "run"], cwd=tmp_path, job_id="")
+    for result in second:
+        assert_ok(result)
+    assert "resumed from run/checkpoints/ckpt-00000004.pt" in second[0].stdout
+    assert_same_run(tmp_path / "run", tmp_path / "whole")
