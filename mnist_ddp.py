@@ -282,7 +282,7 @@ class Training:
 def build_training(recipe: Recipe, options: kit.RunOptions, rt: kit.Runtime, data: kit.ImageSet) -> Training:
     torch.manual_seed(recipe.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(recipe, data.shape, len(data.classes))
-    if recipe.whiten and recipe.model == "cnn":  # (before DDP, which sends rank 0's weights to the others)
+    if recipe.whiten and recipe.model == "cnn" and rt.is_main:  # (DDP's wrapping, below, sends them to the other ranks)
         kit.whiten_first_layer(model.features[0], data, recipe.seed)
     model = model.to(rt.device)
     if options.channels_last:

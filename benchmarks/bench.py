@@ -448,20 +448,25 @@ def ranks_benchmark(out: Path, data: list[str], quick_args: list[str], dataset: 
     results["defaults"] = to_the_end
     (out / "ranks.json").write_text(json.dumps(results, indent=2))
     m = results["machine"]
-    epochs = next(iter(to_the_end.values()))["epochs"]
     lines = [f"Data: {dataset}{' (quick run: not representative)' if quick else ''}. Machine: {m['cpu']}, "
-             f"{m['cores']} cores, no GPU; torch {m['torch']}.", "",
-             "| the defaults, test accuracy | " + " | ".join(f"{r} rank{'s' * (r > 1)}" for r in to_the_end) + " |",
-             "|---|" + "---|" * len(to_the_end),
-             "| after epoch 1 | " + " | ".join(f"{100 * a['epoch_1']:.2f} %" for a in to_the_end.values()) + " |",
-             f"| after epoch {epochs}, the last | " + " | ".join(f"{100 * a['last']:.2f} %" for a in to_the_end.values()) + " |",
-             "",
-             "| test accuracy after 2 epochs | " + " | ".join(f"{r} rank{'s' * (r > 1)}" for r in counts) + " |",
-             "|---|" + "---|" * len(counts)]
-    for way, by_ranks in results["accuracy"].items():
-        lines.append(f"| {way} | " + " | ".join(f"{100 * by_ranks[r]:.2f} %" for r in counts) + " |")
+             f"{m['cores']} cores, no GPU; torch {m['torch']}.", "", *ranks_tables(json.loads((out / "ranks.json").read_text()))]
     (out / "ranks.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def ranks_tables(r: dict) -> list[str]:
+    """The lines of ranks.json's two tables (as read back: rank counts are strings), the
+    defaults to the end and each way after 2 epochs; figures.py writes them into the docs."""
+    defaults, by_way = r["defaults"], r["accuracy"]
+    counts, last = list(next(iter(by_way.values()))), next(iter(defaults.values()))["epochs"]
+
+    def header(title: str, ranks) -> list[str]:
+        return [f"| {title} | " + " | ".join(f"{n} rank{'s' * (int(n) > 1)}" for n in ranks) + " |", "|---|" + "---|" * len(ranks)]
+    return [*header("the defaults, test accuracy", defaults),
+            "| after epoch 1 | " + " | ".join(f"{100 * run['epoch_1']:.2f} %" for run in defaults.values()) + " |",
+            f"| after epoch {last}, the last | " + " | ".join(f"{100 * run['last']:.2f} %" for run in defaults.values()) + " |",
+            "", *header("test accuracy after 2 epochs", counts),
+            *(f"| {way} | " + " | ".join(f"{100 * by[n]:.2f} %" for n in counts) + " |" for way, by in by_way.items())]
 
 
 # ----------------------------------------------------------------------------- the straggler figures' cost

@@ -46,7 +46,7 @@ import urllib.parse
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from bench import machine, markdown  # (this script's own directory comes first on sys.path)
+from bench import machine, markdown, ranks_tables  # (this script's own directory comes first on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures"
@@ -109,20 +109,10 @@ def benchmark_table() -> str:
 def ranks_table() -> str:
     """docs/what-it-does.md, The same model from 1 or 16 ranks: test accuracy by rank count, from ranks.json."""
     r = load("ranks.json")
-    counts = [int(n) for n in next(iter(r["accuracy"].values()))]
-    data, defaults = data_words(r["dataset"]), r["defaults"]
-    last = next(iter(defaults.values()))["epochs"]
+    data = data_words(r["dataset"])
     lines = [f"{data[0].upper()}{data[1:]}, `torchrun`, one thread per rank from 2 ranks on ({source(r['machine'])}), "
              "from `python benchmarks/bench.py --ranks`: the defaults to the end, then 2 epochs three ways:", "",
-             "| the defaults, test accuracy | " + " | ".join(f"{n} rank{'s' * (int(n) > 1)}" for n in defaults) + " |",
-             "|---|" + "---|" * len(defaults),
-             "| after epoch 1 | " + " | ".join(f"{100 * run['epoch_1']:.2f} %" for run in defaults.values()) + " |",
-             f"| after epoch {last}, the last | " + " | ".join(f"{100 * run['last']:.2f} %" for run in defaults.values()) + " |",
-             "",
-             "| test accuracy after 2 epochs | " + " | ".join(f"{n} rank{'s' * (n > 1)}" for n in counts) + " |",
-             "|---|" + "---|" * len(counts)]
-    lines += [f"| {way} | " + " | ".join(f"{100 * by[str(n)]:.2f} %" for n in counts) + " |"
-              for way, by in r["accuracy"].items()]
+             *ranks_tables(r)]
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,6 @@ model with each first layer on one batch in memory, alternately (5 rounds of 40 
 """
 
 import argparse
-import gzip
 import json
 import statistics
 import sys
@@ -34,41 +33,35 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import DEBIAN_FASHION, stage_fashion  # noqa: E402 (this script's own directory comes first on sys.path)
+
 import mnist_ddp  # noqa: E402
-from ddpkit.data.imagesets import ImageSet, normalize  # noqa: E402
+from ddpkit.data.imagesets import ImageSet, load_mnist_like, normalize  # noqa: E402
+from ddpkit.data.staging import MNIST_LIKE  # noqa: E402
 from ddpkit.data.whitening import whiten_first_layer  # noqa: E402
 from ddpkit.distributed import Runtime  # noqa: E402
 from ddpkit.options import RunOptions  # noqa: E402
 from ddpkit.run.weight_average import WeightAverage  # noqa: E402
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
 HELD_OUT = 10_000
 SPLIT_SEED = 12_345  # the held-out images are the same for every variant and seed
 FIRST_LAYERS = ("whitened-fixed", "whitened-trained", "trained")
 
 
-def read_idx(path: Path) -> torch.Tensor:
-    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
-    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(raw[3])]
-    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3]:]), dtype=torch.uint8).view(*dims)
-
-
-def image_sets(fashion: Path, test: bool, train_images: int = 0) -> tuple[ImageSet, ImageSet]:
+def image_sets(fashion: Path, data_dir: Path, test: bool, train_images: int = 0) -> tuple[ImageSet, ImageSet]:
     """(train, scored): the 50,000 / 10,000 held-out split of the training images, or with
     `test` all 60,000 and the test set; with `train_images`, the first that many of the
-    training part. Normalised as mnist_ddp.py normalises Fashion-MNIST."""
-    images, labels = read_idx(fashion / "train-images-idx3-ubyte.gz").unsqueeze(1), read_idx(fashion / "train-labels-idx1-ubyte.gz")
-    classes, stats = tuple(str(c) for c in range(10)), ((0.2860,), (0.3530,))
+    training part. Staged into data_dir as bench.py stages them, and read as mnist_ddp.py
+    reads them (its IDX reader and Fashion-MNIST's pixel statistics)."""
+    stage_fashion(fashion, data_dir)
+    train, test_set = load_mnist_like(MNIST_LIKE["fashion-mnist"], data_dir, "memory", torch.device("cpu"))
+
+    def part(indices) -> ImageSet:
+        return ImageSet(train.labels[indices], train.images[indices], None, train.classes, train.mean, train.std)
     if test:
-        test_images = read_idx(fashion / "t10k-images-idx3-ubyte.gz").unsqueeze(1)
-        test_labels = read_idx(fashion / "t10k-labels-idx1-ubyte.gz")
-        kept = slice(train_images or None)
-        return (ImageSet(labels[kept].long(), images[kept], None, classes, *stats),
-                ImageSet(test_labels.long(), test_images, None, classes, *stats))
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    kept, held = order[:-HELD_OUT][:train_images or None], order[-HELD_OUT:]
-    return (ImageSet(labels[kept].long(), images[kept], None, classes, *stats),
-            ImageSet(labels[held].long(), images[held], None, classes, *stats))
+        return part(slice(train_images or None)), test_set
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    return part(order[:-HELD_OUT][:train_images or None]), part(order[-HELD_OUT:])
 
 
 def build(first_layer: str, channels: int, train_set: ImageSet | None, seed: int) -> nn.Module:
@@ -84,7 +77,7 @@ def build(first_layer: str, channels: int, train_set: ImageSet | None, seed: int
 
 
 def train(args) -> list[float]:
-    train_set, scored_set = image_sets(Path(args.fashion_dir), args.test, args.train_images)
+    train_set, scored_set = image_sets(Path(args.fashion_dir), Path(args.data_dir), args.test, args.train_images)
     recipe = mnist_ddp.Recipe(dataset="fashion-mnist", lr=args.lr, warmup=args.warmup, seed=args.seed, epochs=args.epochs)
     model = build(args.first_layer, args.first_channels, train_set, args.seed)
     average = WeightAverage(model, recipe.ema)
@@ -132,7 +125,9 @@ def speed(rounds: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--fashion-dir", default=str(FASHION), help="Fashion-MNIST's .gz files (default: %(default)s)")
+    parser.add_argument("--fashion-dir", default=str(DEBIAN_FASHION), help="Fashion-MNIST's .gz or IDX files (default: %(default)s)")
+    parser.add_argument("--data-dir", default="bench-out/data", help="where they are unpacked, as bench.py does (default: "
+                        "%(default)s)")
     parser.add_argument("--first-layer", choices=FIRST_LAYERS, default="whitened-fixed", help="default: %(default)s")
     parser.add_argument("--first-channels", type=int, default=32, help="default: %(default)s")
     parser.add_argument("--warmup", type=float, default=mnist_ddp.Recipe.warmup, help="default: %(default)s")

@@ -98,11 +98,10 @@ class ImageSet:
             _, _, h, w = self.images.shape
             windows = self.padded.unfold(2, h, 1).unfold(3, w, 1)  # [N, C, 3, 3, h, w]
             targets = (1 - moves[:2, order.to(moves.device)]).to(self.images.device)  # [2, images]: window row, column
-            mirrored = moves[2:, order.to(moves.device)].to(device).view(-1).split(sizes) if len(moves) > 2 else None
-            for i, (idx, row, col, y) in enumerate(zip(order.split(sizes), targets[0].split(sizes), targets[1].split(sizes),
-                                                       labels, strict=True)):
-                batch = windows[idx, :, row, col].to(device)
-                yield (batch if mirrored is None else mirror_images(batch, mirrored[i])), y
+            mirrored = moves[2, order.to(moves.device)].to(device).split(sizes) if len(moves) > 2 else [None] * len(sizes)
+            for idx, row, col, flips, y in zip(order.split(sizes), targets[0].split(sizes), targets[1].split(sizes), mirrored,
+                                               labels, strict=True):
+                yield mirror_images(windows[idx, :, row, col].to(device), flips), y
             return
         # A generator of its own: the loader draws its workers' seeds from it, not from the
         # global one that dropout uses (a resumed run would draw once more and train differently).
@@ -585,9 +584,12 @@ def shift_images(images: torch.Tensor, moves: torch.Tensor | None) -> torch.Tens
     windows = F.pad(images, (1, 1, 1, 1)).unfold(2, h, 1).unfold(3, w, 1)  # [B, C, 3, 3, h, w], views of the padded batch
     # The two index tensors around the slice put the batch dimension first: [B, C, h, w].
     shifted = windows[torch.arange(b, device=images.device), :, 1 - moves[0], 1 - moves[1]]
-    return mirror_images(shifted, moves[2]) if len(moves) > 2 else shifted
+    return mirror_images(shifted, moves[2] if len(moves) > 2 else None)
 
 
-def mirror_images(images: torch.Tensor, mirrored: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] images, those where `mirrored` ([B], 0 or 1) is 1 mirrored left to right."""
+def mirror_images(images: torch.Tensor, mirrored: torch.Tensor | None) -> torch.Tensor:
+    """[B, C, H, W] images, those where `mirrored` ([B], 0 or 1) is 1 mirrored left to right
+    (None: none of them)."""
+    if mirrored is None:
+        return images
     return torch.where(mirrored.view(-1, 1, 1, 1).bool(), images.flip(3), images)

@@ -5,8 +5,9 @@ their covariance), scaled by one over its standard deviation, and its negative: 
 outputs start uncorrelated and of unit variance, so the first steps train the layers above it
 instead of discovering edges. On full Fashion-MNIST it lifts the accuracy after the first
 epoch by about 1.7 points (docs/defaults.md). The filters are a function of the seed and the
-training images alone, summed on one thread, so every rank and any world size computes the
-same ones (DDP also gives every rank rank 0's, and a resume takes them from the checkpoint).
+training images alone, summed on one thread, so one process and rank 0 of any world size
+compute the same ones; the recipe computes them on rank 0 only, since DDP's wrapping sends
+rank 0's weights to the others, and a resume takes them from the checkpoint.
 """
 
 import math

@@ -95,8 +95,8 @@ def test_the_recipe_search_scores_a_variant_on_the_held_out_images_and_times_the
     defaults on 5,000 of the training images, scored on the held-out ones, its line and its
     JSON record; --speed's four models, one round of 2 steps."""
     script = ROOT / "benchmarks" / "recipe_search.py"
-    result = subprocess.run([sys.executable, str(script), "--epochs", "1", "--train-images", "5000", "--json",
-                             str(tmp_path / "runs.jsonl")],
+    result = subprocess.run([sys.executable, str(script), "--epochs", "1", "--train-images", "5000", "--data-dir",
+                             str(tmp_path / "data"), "--json", str(tmp_path / "runs.jsonl")],
                             env=clean_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.fullmatch(r"epoch 1: \d+\.\d\d % \(held out\)\n", result.stdout)

@@ -305,10 +305,10 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-
 
 def write_fashion_slice(root: Path, train: int, test: int) -> Path:
     """The first `train` training and `test` test images of Fashion-MNIST, as an image folder of PNGs."""
-    def idx(name: str) -> np.ndarray:
-        raw = gzip.open(FASHION / f"{name}.gz").read()
-        dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(raw[3])]
-        return np.frombuffer(raw, np.uint8, offset=4 + 4 * raw[3]).reshape(dims)
+    def idx(name: str) -> np.ndarray:  # (unpacked beside the folder, then read by the kit's own IDX reader)
+        unpacked = root.parent / name
+        unpacked.write_bytes(gzip.decompress((FASHION / f"{name}.gz").read_bytes()))
+        return imagesets.read_idx(unpacked).numpy()
 
     for part, stem, count in (("train", "train", train), ("test", "t10k", test)):
         for i, (image, label) in enumerate(zip(idx(f"{stem}-images-idx3-ubyte")[:count],
