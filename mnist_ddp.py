@@ -167,8 +167,8 @@ class Recipe:
         kit.need(0 <= self.ema < 1, f"--ema must be in [0, 1) (0: off), got {self.ema}")
         kit.need(-SEED_LIMIT <= self.seed <= SEED_LIMIT, f"--seed must be from -{SEED_LIMIT} to {SEED_LIMIT}, got {self.seed}")
         kit.need(self.max_steps >= 0, f"--max-steps must be 0 (no limit) or more, got {self.max_steps}")
-        kit.need(self.dataset == "folder" or not self.mirror_images, "--mirror-images is for --dataset folder: DATASETS says "
-                 f"it of {self.dataset}")
+        kit.need(self.dataset == "folder" or not self.mirror_images, f"--mirror-images is for --dataset folder; {self.dataset}'s "
+                 "entry in DATASETS (mnist_ddp.py) says whether its images may be mirrored: drop --mirror-images")
 
     @property
     def mirrored(self) -> bool:

@@ -49,6 +49,9 @@ REFUSALS = [
                  id="batch-size-below-0"),
     pytest.param(["--lr", "0"], 2, r"--lr must be a positive number, got 0\.0", id="lr-0"),
     pytest.param(["--lr", "nan"], 2, r"--lr must be a positive number, got nan", id="lr-nan"),
+    pytest.param(["--warmup", "1.5"], 2, r"--warmup must be in \[0, 1\], got 1\.5", id="warmup-above-1"),
+    pytest.param(["--mirror-images"], 2, r"--mirror-images is for --dataset folder; mnist-sample's entry in DATASETS "
+                 r"\(mnist_ddp\.py\) says whether its images may be mirrored: drop --mirror-images", id="mirror-images-not-a-folder"),
     pytest.param(["--weight-decay", "-1"], 2, r"--weight-decay must be 0 or more, got -1\.0", id="weight-decay-below-0"),
     pytest.param(["--dropout", "1"], 2, r"--dropout must be in \[0, 1\), got 1\.0", id="dropout-1"),
     pytest.param(["--max-steps", "-5"], 2, r"--max-steps must be 0 \(no limit\) or more, got -5", id="max-steps-below-0"),
